@@ -1,0 +1,784 @@
+"""PyTorch OFA (One For All) for Transformers 5, the backbone of hf-earlyexit.
+
+A faithful re-implementation of the official OFA: a ResNet image stem, an encoder over
+`[image patches ; text tokens]` and a text decoder, both built from NormFormer pre-LN layers. Positions never
+enter the token embeddings; every attention logit instead gets an absolute bias (separate q/k projections of
+LayerNorm'd position embeddings, shared by all layers) plus a per-layer, per-head relative bias (1D log buckets
+for text, 2D offsets for image patches). Parameter names follow the official checkpoints, so converted weights
+load strictly.
+
+Two deliberate differences from the official port, both invisible on its inputs:
+- text positions are counted from the first attended token, so left-padded rows equal unpadded ones
+  (right-padded inputs, the official convention, get exactly the official positions);
+- relative-position buckets are computed from position ids instead of stored as 1024x1024 / 1765x1765 buffers.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, ModelOutput, Seq2SeqLMOutput
+
+from .configuration_ofa import PATCH_STEM, RESNET_LAYERS, OFAEarlyExitConfig
+
+# ---------------------------------------------------------------------------------------------------------------
+# Positions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
+    """Positions 0, 1, ... counted from each row's first attended token: [batch or 1, length].
+
+    Later pads (right or mid-sequence) keep counting, exactly as OFA's `0..L-1`; leading pads are clamped to 0.
+    """
+    positions = torch.arange(length, device=device)[None]
+    if attention_mask is None:
+        return positions
+    leading_pads = attention_mask.long().argmax(dim=-1, keepdim=True)
+    return (positions - leading_pads).clamp(min=0)
+
+
+def token_relative_buckets(relative: torch.Tensor, bucket_size: int, max_position: int) -> torch.Tensor:
+    """OFA's 1D relative-position bucket index in [0, 2 * bucket_size - 2] for signed distances `query - key`.
+
+    Exact up to |distance| = bucket_size // 2, log-spaced beyond (the formula of `make_token_bucket_position`).
+    """
+    mid = bucket_size // 2
+    sign = torch.sign(relative)
+    abs_pos = torch.where((relative < mid) & (relative > -mid), mid - 1, relative.abs())
+    log_pos = torch.ceil(torch.log(abs_pos / mid) / math.log((max_position - 1) / mid) * (mid - 1)) + mid
+    bucket = torch.where(abs_pos.le(mid), relative, log_pos.int() * sign)
+    return bucket.long() + bucket_size - 1
+
+
+def image_relative_buckets(height: int, width: int, bucket_size: int, device: torch.device) -> torch.Tensor:
+    """OFA's 2D relative-position bucket index between the patches of a height x width grid: [N, N], N = h * w."""
+    rows = torch.arange(height, device=device).repeat_interleave(width)
+    cols = torch.arange(width, device=device).repeat(height)
+    row_delta = rows[:, None] - rows[None, :] + bucket_size - 1
+    col_delta = cols[:, None] - cols[None, :] + bucket_size - 1
+    return row_delta * (2 * bucket_size - 1) + col_delta
+
+
+def image_position_ids(height: int, width: int, bucket_size: int, device: torch.device) -> torch.Tensor:
+    """Row-major patch ids `r * bucket_size + c + 1` into the image position table (id 0 is reserved): [N]."""
+    rows = torch.arange(height, device=device).repeat_interleave(width)
+    cols = torch.arange(width, device=device).repeat(height)
+    return rows * bucket_size + cols + 1
+
+
+def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
+    """Stochastic depth per sample (the official HF port drops per token, a bug fairseq does not have)."""
+    if rate == 0.0 or not training:
+        return x
+    keep = 1.0 - rate
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+    return x * mask / keep
+
+
+class DropPath(nn.Module):
+    def __init__(self, rate: float = 0.0):
+        super().__init__()
+        self.rate = rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return drop_path(x, self.rate, self.training)
+
+
+def optional_layer_norm(enabled: bool, width: int) -> nn.Module:
+    return nn.LayerNorm(width) if enabled else nn.Identity()
+
+
+class OFARelativePositionTable(nn.Embedding):
+    """A per-layer table of relative-position biases, one value per head (zero-initialised, as in fairseq)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Image stems
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class OFABottleneck(nn.Module):
+    """torchvision v1.5 Bottleneck (stride on the 3x3 conv), with per-sample drop path on the residual branch."""
+
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: bool = False, drop_rate: float = 0.0):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * self.expansion, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = (
+            nn.Sequential(
+                nn.Conv2d(inplanes, planes * self.expansion, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(planes * self.expansion),
+            )
+            if downsample
+            else None
+        )
+        self.drop_path = DropPath(drop_rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(identity + self.drop_path(out))
+
+
+class OFAResNet(nn.Module):
+    """ResNet stages 1-3 (no stage 4): [batch, 3, H, W] -> [batch, 1024, H/16, W/16]."""
+
+    def __init__(self, blocks: tuple[int, int, int], drop_path_rate: float = 0.0):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        rates = torch.linspace(0, drop_path_rate, sum(blocks)).tolist()
+        inplanes = 64
+        for stage, (planes, count, stride) in enumerate(zip((64, 128, 256), blocks, (1, 2, 2)), start=1):
+            stage_rates, rates = rates[:count], rates[count:]
+            layers = []
+            for i in range(count):
+                layers.append(OFABottleneck(inplanes, planes, stride if i == 0 else 1, i == 0, stage_rates[i]))
+                inplanes = planes * OFABottleneck.expansion
+            setattr(self, f"layer{stage}", nn.Sequential(*layers))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(pixel_values))))
+        return self.layer3(self.layer2(self.layer1(x)))
+
+
+class OFAPatchStem(nn.Module):
+    """A light stem for small models: [batch, 3, H, W] -> [batch, 256, H/16, W/16] with two strided convs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=4, stride=4)
+        self.act = nn.GELU()
+        self.conv2 = nn.Conv2d(64, 256, kernel_size=4, stride=4)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.conv2(self.act(self.conv1(pixel_values)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention and layers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor,
+    scaling: float,
+    dropout: float,
+    implementation: str,
+    output_attentions: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """softmax(q k^T * scaling + bias) v on [batch, heads, length, head_dim]; `bias` already holds the masks.
+
+    The bias is a float tensor (positions plus masks), so SDPA gets it as `attn_mask` with the OFA scale; the
+    default SDPA scale would be wrong.
+    """
+    if implementation == "sdpa" and not output_attentions:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
+        return out, None
+    weights = torch.matmul(query * scaling, key.transpose(-1, -2)) + bias
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(weights, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, value), (weights if output_attentions else None)
+
+
+class OFAAttention(nn.Module):
+    """Multi-head attention with an additive bias and NormFormer's per-head output scale `c_attn`."""
+
+    def __init__(self, config: OFAEarlyExitConfig, num_heads: int, layer_idx: int, is_cross_attention: bool = False):
+        super().__init__()
+        self.config = config
+        self.num_heads = num_heads
+        self.head_dim = config.d_model // num_heads
+        self.scaling = (self.head_dim * config.attn_scale_factor) ** -0.5
+        self.layer_idx = layer_idx
+        self.is_cross_attention = is_cross_attention
+        self.dropout = config.attention_dropout
+        self.k_proj = nn.Linear(config.d_model, config.d_model)
+        self.v_proj = nn.Linear(config.d_model, config.d_model)
+        self.q_proj = nn.Linear(config.d_model, config.d_model)
+        self.out_proj = nn.Linear(config.d_model, config.d_model)
+        self.c_attn = nn.Parameter(torch.ones(num_heads)) if config.normformer else None
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, length, d_model] -> [batch, heads, length, head_dim]."""
+        return x.view(*x.shape[:-1], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        bias: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        past_key_values: EncoderDecoderCache | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        query = self.split_heads(self.q_proj(hidden_states))
+        source = key_value_states if self.is_cross_attention else hidden_states
+        if self.is_cross_attention and past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
+            layer_cache = past_key_values.cross_attention_cache.layers[self.layer_idx]
+            key, value = layer_cache.keys, layer_cache.values
+        else:
+            key = self.split_heads(self.k_proj(source))
+            value = self.split_heads(self.v_proj(source))
+            if past_key_values is not None and self.is_cross_attention:
+                key, value = past_key_values.cross_attention_cache.update(key, value, self.layer_idx)
+                past_key_values.is_updated[self.layer_idx] = True
+            elif past_key_values is not None:
+                key, value = past_key_values.self_attention_cache.update(key, value, self.layer_idx)
+
+        out, weights = attention(
+            query, key, value, bias, self.scaling, self.dropout if self.training else 0.0,
+            self.config._attn_implementation, output_attentions,
+        )
+        if self.c_attn is not None:
+            out = out * self.c_attn[None, :, None, None]
+        out = out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)
+        return self.out_proj(out), weights
+
+
+class OFAEncoderLayer(GradientCheckpointingLayer):
+    """Pre-LN NormFormer layer: x + drop_path(dropout(mid_LN(attn(LN(x))))), then the FFN block the same way.
+
+    The decoder layer extends it with a cross-attention block; parameter names match the official checkpoints.
+    """
+
+    def __init__(self, config: OFAEarlyExitConfig, layer_idx: int, drop_path_rate: float, num_heads: int, ffn_dim: int):
+        super().__init__()
+        self.self_attn = OFAAttention(config, num_heads, layer_idx)
+        self.self_attn_layer_norm = nn.LayerNorm(config.d_model)
+        self.self_attn_mid_layer_norm = optional_layer_norm(config.normformer, config.d_model)
+        self.final_layer_norm = nn.LayerNorm(config.d_model)
+        self.fc1 = nn.Linear(config.d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, config.d_model)
+        self.ffn_layer_norm = optional_layer_norm(config.normformer, ffn_dim)
+        self.activation = ACT2FN[config.activation_function]
+        self.activation_dropout = nn.Dropout(config.activation_dropout)
+        self.dropout = nn.Dropout(config.dropout)
+        self.drop_path = DropPath(drop_path_rate)
+
+    def residual(self, hidden_states: torch.Tensor, block_output: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.drop_path(self.dropout(block_output))
+
+    def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = self.activation_dropout(self.activation(self.fc1(self.final_layer_norm(hidden_states))))
+        return self.residual(hidden_states, self.fc2(self.ffn_layer_norm(x)))
+
+    def forward(
+        self, hidden_states: torch.Tensor, bias: torch.Tensor, output_attentions: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attn, weights = self.self_attn(self.self_attn_layer_norm(hidden_states), bias, output_attentions=output_attentions)
+        hidden_states = self.residual(hidden_states, self.self_attn_mid_layer_norm(attn))
+        return self.feed_forward(hidden_states), weights
+
+
+class OFADecoderLayer(OFAEncoderLayer):
+    """Causal self-attention, cross-attention over the encoder output, FFN; each as a pre-LN NormFormer block."""
+
+    def __init__(self, config: OFAEarlyExitConfig, layer_idx: int, drop_path_rate: float):
+        super().__init__(config, layer_idx, drop_path_rate, config.decoder_attention_heads, config.decoder_ffn_dim)
+        self.cross_attn = OFAAttention(config, config.decoder_attention_heads, layer_idx, is_cross_attention=True)
+        self.cross_attn_layer_norm = nn.LayerNorm(config.d_model)
+        self.cross_attn_mid_layer_norm = optional_layer_norm(config.normformer, config.d_model)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        self_bias: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        cross_bias: torch.Tensor,
+        past_key_values: EncoderDecoderCache | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        attn, self_weights = self.self_attn(
+            self.self_attn_layer_norm(hidden_states), self_bias, past_key_values=past_key_values,
+            output_attentions=output_attentions,
+        )
+        hidden_states = self.residual(hidden_states, self.self_attn_mid_layer_norm(attn))
+        attn, cross_weights = self.cross_attn(
+            self.cross_attn_layer_norm(hidden_states), cross_bias, key_value_states=encoder_hidden_states,
+            past_key_values=past_key_values, output_attentions=output_attentions,
+        )
+        hidden_states = self.residual(hidden_states, self.cross_attn_mid_layer_norm(attn))
+        return self.feed_forward(hidden_states), self_weights, cross_weights
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Encoder and decoder
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OFAEncoderOutput(ModelOutput):
+    """Encoder output plus what the decoder's cross-attention needs besides the states.
+
+    last_hidden_state: [batch, N_image + T, d_model] after the final LayerNorm (pad rows are not zero).
+    padding_mask: [batch, N_image + T], True at text pads (image patches are never padded).
+    position_embedding: [batch, N_image + T, d_model] LayerNorm'd absolute positions, the keys of the decoder's
+        cross-attention position bias.
+    hidden_states: embedding output and each layer's output (before the final LayerNorm), if asked.
+    attentions: each layer's attention probabilities, if asked (joint encoder only).
+    """
+
+    last_hidden_state: torch.FloatTensor | None = None
+    padding_mask: torch.BoolTensor | None = None
+    position_embedding: torch.FloatTensor | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+def relative_tables(config: OFAEarlyExitConfig, num_layers: int, num_heads: int) -> tuple[nn.ModuleList, ...]:
+    """Per-layer text (2 * token_bucket_size - 1 buckets) and image ((2 * image_bucket_size - 1)^2 + 3) tables."""
+    text = nn.ModuleList(OFARelativePositionTable(2 * config.token_bucket_size - 1, num_heads) for _ in range(num_layers))
+    image_buckets = (2 * config.image_bucket_size - 1) ** 2 + 3
+    image = nn.ModuleList(OFARelativePositionTable(image_buckets, num_heads) for _ in range(num_layers))
+    return text, image
+
+
+def position_bias(
+    q_linear: nn.Linear, k_linear: nn.Linear, queries: torch.Tensor, keys: torch.Tensor, num_heads: int, scaling: float
+) -> torch.Tensor:
+    """Absolute position bias (q_linear(queries) * scaling) @ k_linear(keys)^T per head: [batch, heads, Lq, Lk]."""
+    q = q_linear(queries).unflatten(-1, (num_heads, -1)).transpose(1, 2) * scaling
+    k = k_linear(keys).unflatten(-1, (num_heads, -1)).transpose(1, 2)
+    return torch.matmul(q, k.transpose(-1, -2))
+
+
+class OFAEncoder(nn.Module):
+    """Image stem + text embeddings -> Transformer layers over `[image patches ; text tokens]` -> LayerNorm."""
+
+    main_input_name = "input_ids"
+
+    def __init__(self, config: OFAEarlyExitConfig):
+        super().__init__()
+        self.config = config
+        d_model, heads = config.d_model, config.encoder_attention_heads
+        self.num_heads = heads
+        self.embed_scale = math.sqrt(d_model) if config.scale_embedding else 1.0
+        self.pos_scaling = (d_model / heads * config.attn_scale_factor) ** -0.5
+        self.dropout = nn.Dropout(config.dropout)
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, d_model, config.pad_token_id)
+        if config.resnet_type == PATCH_STEM:
+            self.embed_images = OFAPatchStem()
+        else:
+            self.embed_images = OFAResNet(RESNET_LAYERS[config.resnet_type], config.resnet_drop_path_rate)
+        self.image_proj = nn.Linear(config.image_feature_dim, d_model)
+        self.type_embedding = nn.Embedding(2, d_model) if config.add_type_embedding else None
+        self.layernorm_embedding = optional_layer_norm(config.layernorm_embedding, d_model)
+        self.patch_layernorm_embedding = optional_layer_norm(config.patch_layernorm_embedding, d_model)
+
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + 2, d_model)
+        self.embed_image_positions = nn.Embedding(config.image_bucket_size**2 + 1, d_model)
+        self.pos_ln = nn.LayerNorm(d_model)
+        self.image_pos_ln = nn.LayerNorm(d_model)
+        self.pos_q_linear = nn.Linear(d_model, d_model)
+        self.pos_k_linear = nn.Linear(d_model, d_model)
+
+        rates = torch.linspace(0, config.encoder_drop_path_rate, config.encoder_layers).tolist()
+        self.layers = nn.ModuleList(
+            OFAEncoderLayer(config, i, rates[i], heads, config.encoder_ffn_dim) for i in range(config.encoder_layers)
+        )
+        self.token_rel_pos_table_list, self.image_rel_pos_table_list = relative_tables(
+            config, config.encoder_layers, heads
+        )
+        self.layer_norm = nn.LayerNorm(d_model)
+
+    def embed_image(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """[batch, 3, H, W] -> patch states [batch, N, d], LN'd positions [batch, N, d], grid (h, w)."""
+        if pixel_values.ndim != 4 or pixel_values.shape[1] != 3:
+            raise ValueError(f"`pixel_values` must be [batch, 3, height, width], got {list(pixel_values.shape)}.")
+        features = self.embed_images(pixel_values.to(self.image_proj.weight.dtype))  # [batch, C, h, w]
+        height, width = features.shape[-2:]
+        if max(height, width) > self.config.image_bucket_size:
+            raise ValueError(
+                f"An image of {pixel_values.shape[-2]}x{pixel_values.shape[-1]} px gives a {height}x{width} patch grid; "
+                f"the model takes at most {self.config.image_bucket_size} patches per side (`image_bucket_size`)."
+            )
+        x = self.image_proj(features.flatten(2).transpose(1, 2)) * self.embed_scale
+        if self.type_embedding is not None:
+            x = x + self.type_embedding.weight[1]
+        x = self.dropout(self.patch_layernorm_embedding(x))
+        ids = image_position_ids(height, width, self.config.image_bucket_size, x.device)
+        positions = self.image_pos_ln(self.embed_image_positions(ids)).expand(x.shape[0], -1, -1)
+        return x, positions, (height, width)
+
+    def embed_text(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[batch, T] -> token states [batch, T, d], LN'd positions [batch, T, d], position ids, pad mask [batch, T]."""
+        padding = input_ids.eq(self.config.pad_token_id) if attention_mask is None else attention_mask.eq(0)
+        x = self.embed_tokens(input_ids) * self.embed_scale
+        if self.type_embedding is not None:
+            x = x + self.type_embedding.weight[0]
+        x = self.dropout(self.layernorm_embedding(x))
+        position_ids = position_ids_from_mask(~padding, input_ids.shape[1], x.device)
+        positions = self.pos_ln(self.embed_positions(position_ids)).expand(x.shape[0], -1, -1)
+        return x, positions, position_ids, padding
+
+    def layer_bias(
+        self,
+        layer_idx: int,
+        absolute: torch.Tensor,
+        num_image: int,
+        text_buckets: torch.Tensor | None,
+        image_buckets: torch.Tensor | None,
+        padding: torch.Tensor,
+    ) -> torch.Tensor:
+        """Absolute bias + this layer's relative biases on the text and image blocks, pads masked as keys."""
+        bias = absolute.clone()
+        if text_buckets is not None:
+            bias[:, :, num_image:, num_image:] += self.token_rel_pos_table_list[layer_idx](text_buckets).permute(0, 3, 1, 2)
+        if image_buckets is not None:
+            bias[:, :, :num_image, :num_image] += self.image_rel_pos_table_list[layer_idx](image_buckets).permute(2, 0, 1)
+        return bias.masked_fill(padding[:, None, None, :], torch.finfo(bias.dtype).min)
+
+    def run_layers(
+        self,
+        hidden_states: torch.Tensor,
+        absolute: torch.Tensor,
+        num_image: int,
+        text_buckets: torch.Tensor | None,
+        image_buckets: torch.Tensor | None,
+        padding: torch.Tensor,
+        output_attentions: bool,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer over one sequence (joint, or one modality stream): per-layer states and attentions."""
+        states, attentions = [hidden_states], []
+        for idx, layer in enumerate(self.layers):
+            if self.training and self.config.encoder_layerdrop > torch.rand(()).item():
+                continue
+            bias = self.layer_bias(idx, absolute, num_image, text_buckets, image_buckets, padding)
+            hidden_states, weights = layer(hidden_states, bias, output_attentions)
+            states.append(hidden_states)
+            attentions.append(weights)
+        return states, attentions
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.FloatTensor | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+    ) -> OFAEncoderOutput:
+        if input_ids is None and pixel_values is None:
+            raise ValueError("The encoder needs `input_ids`, `pixel_values` or both.")
+        decomposed = self.config.decompose_encoder_modalities
+        if output_attentions and decomposed:
+            raise ValueError("`output_attentions` is not available with `decompose_encoder_modalities=True`.")
+        parts, positions, paddings = [], [], []
+        num_image = text_length = 0
+        image_buckets = text_buckets = None
+        if pixel_values is not None:
+            image_x, image_pos, (height, width) = self.embed_image(pixel_values)
+            num_image = image_x.shape[1]
+            image_buckets = image_relative_buckets(height, width, self.config.image_bucket_size, image_x.device)
+            parts.append(image_x)
+            positions.append(image_pos)
+            paddings.append(torch.zeros(image_x.shape[:2], dtype=torch.bool, device=image_x.device))
+        if input_ids is not None:
+            text_x, text_pos, text_position_ids, text_padding = self.embed_text(input_ids, attention_mask)
+            text_length = text_x.shape[1]
+            relative = text_position_ids[:, :, None] - text_position_ids[:, None, :]
+            text_buckets = token_relative_buckets(
+                relative, self.config.token_bucket_size, self.config.max_position_embeddings
+            )
+            parts.append(text_x)
+            positions.append(text_pos)
+            paddings.append(text_padding)
+
+        hidden_states = torch.cat(parts, dim=1)
+        position_embedding = torch.cat(positions, dim=1)
+        padding = torch.cat(paddings, dim=1)
+        hidden_states = hidden_states * (~padding).unsqueeze(-1).to(hidden_states.dtype)
+        absolute = position_bias(
+            self.pos_q_linear, self.pos_k_linear, position_embedding, position_embedding, self.num_heads,
+            self.pos_scaling,
+        )  # [batch, heads, S, S]
+
+        if not decomposed:
+            states, attentions = self.run_layers(
+                hidden_states, absolute, num_image, text_buckets, image_buckets, padding, output_attentions
+            )
+        else:
+            # MuE: each modality attends only to itself; the streams meet in the decoder's cross-attention.
+            streams = []
+            if num_image:
+                image_rel = image_buckets if self.config.decomposed_image_relative_bias else None
+                streams.append(self.run_layers(
+                    hidden_states[:, :num_image], absolute[:, :, :num_image, :num_image], num_image, None, image_rel,
+                    padding[:, :num_image], False,
+                ))
+            if text_length:
+                streams.append(self.run_layers(
+                    hidden_states[:, num_image:], absolute[:, :, num_image:, num_image:], 0, text_buckets, None,
+                    padding[:, num_image:], False,
+                ))
+            states = [torch.cat(per_layer, dim=1) for per_layer in zip(*(s for s, _ in streams))]
+            attentions = []
+
+        return OFAEncoderOutput(
+            last_hidden_state=self.layer_norm(states[-1]),
+            padding_mask=padding,
+            position_embedding=position_embedding,
+            hidden_states=tuple(states) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
+        )
+
+
+class OFADecoder(nn.Module):
+    """Token embeddings -> causal layers with cross-attention -> LayerNorm; `output_projection` is the LM head."""
+
+    def __init__(self, config: OFAEarlyExitConfig):
+        super().__init__()
+        self.config = config
+        d_model, heads = config.d_model, config.decoder_attention_heads
+        self.num_heads = heads
+        self.embed_scale = math.sqrt(d_model) if config.scale_embedding else 1.0
+        self.pos_scaling = (d_model / heads * config.attn_scale_factor) ** -0.5
+        self.dropout = nn.Dropout(config.dropout)
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, d_model, config.pad_token_id)
+        self.layernorm_embedding = optional_layer_norm(config.layernorm_embedding, d_model)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + 2, d_model)
+        self.pos_ln = nn.LayerNorm(d_model)
+        self.self_pos_q_linear = nn.Linear(d_model, d_model)
+        self.self_pos_k_linear = nn.Linear(d_model, d_model)
+        self.cross_pos_q_linear = nn.Linear(d_model, d_model)
+        self.cross_pos_k_linear = nn.Linear(d_model, d_model)
+        # Image-code generation parts of OFA: unused for text, kept so official checkpoints load strictly.
+        self.code_layernorm_embedding = optional_layer_norm(config.code_layernorm_embedding, d_model)
+        self.embed_image_positions = nn.Embedding(config.image_bucket_size**2 + 1, d_model)
+        self.image_pos_ln = nn.LayerNorm(d_model)
+
+        rates = torch.linspace(0, config.decoder_drop_path_rate, config.decoder_layers).tolist()
+        self.layers = nn.ModuleList(OFADecoderLayer(config, i, rates[i]) for i in range(config.decoder_layers))
+        self.token_rel_pos_table_list, self.image_rel_pos_table_list = relative_tables(
+            config, config.decoder_layers, heads
+        )
+        self.layer_norm = nn.LayerNorm(d_model)
+        self.output_projection = nn.Linear(d_model, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        encoder_outputs: OFAEncoderOutput,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: EncoderDecoderCache | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        """Decode `input_ids` [batch, q], the newest q tokens after the `past_key_values` prefix.
+
+        `attention_mask` (optional, [batch, past + q]) marks decoder pads; without it every token is attended.
+        """
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        length = past + input_ids.shape[1]
+        if attention_mask is not None and attention_mask.shape[-1] != length:
+            raise ValueError(
+                f"`decoder_attention_mask` must cover the cached and new tokens ({length}), got {attention_mask.shape[-1]}."
+            )
+        position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, past + q]
+        query_ids = position_ids[:, past:]
+
+        hidden_states = self.embed_tokens(input_ids) * self.embed_scale
+        hidden_states = self.dropout(self.layernorm_embedding(hidden_states))
+
+        positions = self.pos_ln(self.embed_positions(position_ids))
+        query_positions = positions[:, past:]
+        self_absolute = position_bias(
+            self.self_pos_q_linear, self.self_pos_k_linear, query_positions, positions, self.num_heads, self.pos_scaling
+        )  # [batch or 1, heads, q, past + q]
+        cross_bias = position_bias(
+            self.cross_pos_q_linear, self.cross_pos_k_linear, query_positions, encoder_outputs.position_embedding,
+            self.num_heads, self.pos_scaling,
+        )  # [batch, heads, q, S]
+        cross_bias = cross_bias.masked_fill(
+            encoder_outputs.padding_mask[:, None, None, :], torch.finfo(cross_bias.dtype).min
+        )
+        buckets = token_relative_buckets(
+            query_ids[:, :, None] - position_ids[:, None, :], self.config.token_bucket_size,
+            self.config.max_position_embeddings,
+        )  # [batch or 1, q, past + q]
+        keys = torch.arange(length, device=input_ids.device)
+        masked = (keys[None, :] > keys[past:, None])[None, None]  # causal: [1, 1, q, past + q]
+        if attention_mask is not None:
+            masked = masked | attention_mask.eq(0)[:, None, None, :]
+
+        states, self_attentions, cross_attentions = [hidden_states], [], []
+        for idx, layer in enumerate(self.layers):
+            if self.training and self.config.decoder_layerdrop > torch.rand(()).item():
+                continue
+            self_bias = self_absolute + self.token_rel_pos_table_list[idx](buckets).permute(0, 3, 1, 2)
+            self_bias = self_bias.masked_fill(masked, torch.finfo(self_bias.dtype).min)
+            hidden_states, self_weights, cross_weights = layer(
+                hidden_states, self_bias, encoder_outputs.last_hidden_state, cross_bias, past_key_values,
+                output_attentions,
+            )
+            states.append(hidden_states)
+            self_attentions.append(self_weights)
+            cross_attentions.append(cross_weights)
+
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=self.layer_norm(hidden_states),
+            past_key_values=past_key_values,
+            hidden_states=tuple(states) if output_hidden_states else None,
+            attentions=tuple(self_attentions) if output_attentions else None,
+            cross_attentions=tuple(cross_attentions) if output_attentions else None,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pre-trained model and the generation head
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class OFAPreTrainedModel(PreTrainedModel):
+    config_class = OFAEarlyExitConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["OFAEncoderLayer", "OFADecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _can_compile_fullgraph = False
+
+    def _init_weights(self, module: nn.Module):
+        super()._init_weights(module)
+        if isinstance(module, OFARelativePositionTable):
+            init.zeros_(module.weight)
+        elif isinstance(module, OFAAttention) and module.c_attn is not None:
+            init.ones_(module.c_attn)
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """Teacher-forcing decoder inputs: `[start] + labels[:-1]`, with the -100 ignore index turned into pads."""
+    shifted = labels.new_full(labels.shape, pad_token_id)
+    shifted[:, 1:] = labels[:, :-1]
+    shifted[:, 0] = decoder_start_token_id
+    return shifted.masked_fill(shifted == -100, pad_token_id)
+
+
+class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, GenerationMixin):
+    """OFA encoder-decoder with a tied LM head; `generate` works with greedy, sampling and beam search.
+
+    Inputs: `input_ids` / `attention_mask` [batch, T] (pad on the right, as OFA does), `pixel_values`
+    [batch, 3, H, W] normalised to [-1, 1] by `OFAProcessor`, and `decoder_input_ids` or `labels`.
+    """
+
+    _tied_weights_keys = {
+        "decoder.embed_tokens.weight": "encoder.embed_tokens.weight",
+        "decoder.output_projection.weight": "encoder.embed_tokens.weight",
+    }
+
+    def __init__(self, config: OFAEarlyExitConfig):
+        super().__init__(config)
+        self.encoder = OFAEncoder(config)
+        self.decoder = OFADecoder(config)
+        self.post_init()
+
+    def get_encoder(self) -> OFAEncoder:
+        return self.encoder
+
+    def get_decoder(self) -> OFADecoder:
+        return self.decoder
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.encoder.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding):
+        self.encoder.embed_tokens = value
+        if self.config.tie_word_embeddings:
+            self.decoder.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.decoder.output_projection
+
+    def set_output_embeddings(self, value: nn.Linear):
+        self.decoder.output_projection = value
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.FloatTensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: OFAEncoderOutput | None = None,
+        past_key_values: Cache | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+    ) -> Seq2SeqLMOutput | tuple:
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        use_cache = (use_cache if use_cache is not None else self.config.use_cache) and labels is None
+
+        if labels is not None and decoder_input_ids is None:
+            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        if decoder_input_ids is None:
+            raise ValueError("Pass `decoder_input_ids` or `labels` (or call `generate`).")
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids, attention_mask, pixel_values, output_attentions=output_attentions,
+                output_hidden_states=output_hidden_states,
+            )
+        if use_cache and past_key_values is None:
+            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
+            raise ValueError(f"`past_key_values` must be an EncoderDecoderCache, got {type(past_key_values).__name__}.")
+
+        decoder_outputs = self.decoder(
+            decoder_input_ids, encoder_outputs, decoder_attention_mask, past_key_values if use_cache else None,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+        )
+        logits = self.decoder.output_projection(decoder_outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().to(logits.device), ignore_index=-100)
+
+        output = Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+__all__ = ["EarlyExitOFAForConditionalGeneration", "OFAPreTrainedModel", "OFAEncoderOutput"]
