@@ -1,5 +1,20 @@
 """hf-earlyexit: early exits for OFA vision-language encoder-decoders, native in Transformers 5."""
 
-from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
+from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoModelForSeq2SeqLM, AutoProcessor
 
-__all__ = ["EarlyExitOFAForConditionalGeneration", "OFAEarlyExitConfig"]
+from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
+from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
+
+# With the package imported, the Auto classes resolve our model type without remote code.
+AutoConfig.register(OFAEarlyExitConfig.model_type, OFAEarlyExitConfig, exist_ok=True)
+AutoModel.register(OFAEarlyExitConfig, EarlyExitOFAForConditionalGeneration, exist_ok=True)
+AutoModelForSeq2SeqLM.register(OFAEarlyExitConfig, EarlyExitOFAForConditionalGeneration, exist_ok=True)
+AutoImageProcessor.register(OFAEarlyExitConfig, slow_image_processor_class=OFAImageProcessor, exist_ok=True)
+AutoProcessor.register(OFAEarlyExitConfig, OFAProcessor, exist_ok=True)
+
+__all__ = [
+    "EarlyExitOFAForConditionalGeneration",
+    "OFAEarlyExitConfig",
+    "OFAImageProcessor",
+    "OFAProcessor",
+]

@@ -178,3 +178,5 @@ class OFAEarlyExitConfig(PreTrainedConfig):
 
 
 __all__ = ["OFAEarlyExitConfig"]
+
+OFAEarlyExitConfig.register_for_auto_class()

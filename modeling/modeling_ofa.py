@@ -83,6 +83,12 @@ def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
     return x * mask / keep
 
 
+def drop_path_rates(rate: float, count: int) -> list[float]:
+    """Stochastic-depth rates rising linearly from 0 to `rate` over `count` layers (torch.linspace, in Python so
+    the model can be built on the meta device)."""
+    return [rate * i / (count - 1) if count > 1 else 0.0 for i in range(count)]
+
+
 class DropPath(nn.Module):
     def __init__(self, rate: float = 0.0):
         super().__init__()
@@ -146,7 +152,7 @@ class OFAResNet(nn.Module):
         self.bn1 = nn.BatchNorm2d(64)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
-        rates = torch.linspace(0, drop_path_rate, sum(blocks)).tolist()
+        rates = drop_path_rates(drop_path_rate, sum(blocks))
         inplanes = 64
         for stage, (planes, count, stride) in enumerate(zip((64, 128, 256), blocks, (1, 2, 2)), start=1):
             stage_rates, rates = rates[:count], rates[count:]
@@ -395,7 +401,7 @@ class OFAEncoder(nn.Module):
         self.pos_q_linear = nn.Linear(d_model, d_model)
         self.pos_k_linear = nn.Linear(d_model, d_model)
 
-        rates = torch.linspace(0, config.encoder_drop_path_rate, config.encoder_layers).tolist()
+        rates = drop_path_rates(config.encoder_drop_path_rate, config.encoder_layers)
         self.layers = nn.ModuleList(
             OFAEncoderLayer(config, i, rates[i], heads, config.encoder_ffn_dim) for i in range(config.encoder_layers)
         )
@@ -573,7 +579,7 @@ class OFADecoder(nn.Module):
         self.embed_image_positions = nn.Embedding(config.image_bucket_size**2 + 1, d_model)
         self.image_pos_ln = nn.LayerNorm(d_model)
 
-        rates = torch.linspace(0, config.decoder_drop_path_rate, config.decoder_layers).tolist()
+        rates = drop_path_rates(config.decoder_drop_path_rate, config.decoder_layers)
         self.layers = nn.ModuleList(OFADecoderLayer(config, i, rates[i]) for i in range(config.decoder_layers))
         self.token_rel_pos_table_list, self.image_rel_pos_table_list = relative_tables(
             config, config.decoder_layers, heads
@@ -664,6 +670,12 @@ class OFAPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
     _can_compile_fullgraph = False
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        # `attention()` reads `config._attn_implementation` on every call, so switching eager <-> sdpa is safe
+        # (the base class guesses from the source and looks for ALL_ATTENTION_FUNCTIONS, which we don't use).
+        return True
 
     def _init_weights(self, module: nn.Module):
         super()._init_weights(module)
@@ -782,3 +794,6 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, GenerationMixin):
 
 
 __all__ = ["EarlyExitOFAForConditionalGeneration", "OFAPreTrainedModel", "OFAEncoderOutput"]
+
+# Saving writes this file beside the weights; `auto_map` then lets AutoModel load it with trust_remote_code=True.
+EarlyExitOFAForConditionalGeneration.register_for_auto_class("AutoModel")

@@ -1,0 +1,278 @@
+"""The OFA backbone: parity with the official implementation, attention paths, caching, positions, loss."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
+from hf_earlyexit.convert import clean_state_dict, infer_config, load_converted_model
+from hf_earlyexit.modeling.modeling_ofa import image_relative_buckets, shift_tokens_right, token_relative_buckets
+from tests.helpers import tiny_inputs, tiny_model
+
+
+def official_token_buckets(bucket_size: int, max_position: int) -> torch.Tensor:
+    """`make_token_bucket_position` of the official OFA code, verbatim in substance: [max_position, max_position]."""
+    context = torch.arange(max_position)[:, None]
+    memory = torch.arange(max_position)[None, :]
+    relative = context - memory
+    sign = torch.sign(relative)
+    mid = bucket_size // 2
+    abs_pos = torch.where((relative < mid) & (relative > -mid), mid - 1, torch.abs(relative))
+    log_pos = torch.ceil(torch.log(abs_pos / mid) / math.log((max_position - 1) / mid) * (mid - 1)) + mid
+    bucket = torch.where(abs_pos.le(mid), relative, log_pos.int() * sign).long()
+    return bucket + bucket_size - 1
+
+
+def official_image_buckets(bucket_size: int) -> torch.Tensor:
+    """`make_image_bucket_position` of the official OFA code: [bucket_size^2 + 1, bucket_size^2 + 1]."""
+    num_relative_distance = (2 * bucket_size - 1) ** 2 + 3
+    coords = torch.stack(torch.meshgrid(torch.arange(bucket_size), torch.arange(bucket_size), indexing="ij"))
+    flat = torch.flatten(coords, 1)
+    relative = (flat[:, :, None] - flat[:, None, :]).permute(1, 2, 0).contiguous()
+    relative[:, :, 0] += bucket_size - 1
+    relative[:, :, 1] += bucket_size - 1
+    relative[:, :, 0] *= 2 * bucket_size - 1
+    index = torch.zeros((bucket_size * bucket_size + 1,) * 2, dtype=torch.long)
+    index[1:, 1:] = relative.sum(-1)
+    index[0, 0:] = num_relative_distance - 3
+    index[0:, 0] = num_relative_distance - 2
+    index[0, 0] = num_relative_distance - 1
+    return index
+
+
+def load_reference(fixture, attn_implementation: str) -> EarlyExitOFAForConditionalGeneration:
+    state_dict = clean_state_dict(load_file(fixture / "model.safetensors"))
+    config = infer_config(state_dict, json.loads((fixture / "config.json").read_text()))
+    config._attn_implementation = attn_implementation
+    return load_converted_model(state_dict, config)
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_parity_with_official_implementation(reference_fixture, attn_implementation):
+    model = load_reference(reference_fixture, attn_implementation)
+    io = load_file(reference_fixture / "io.safetensors")
+    with torch.no_grad():
+        out = model(
+            input_ids=io["input_ids"], pixel_values=io["patch_images"], decoder_input_ids=io["decoder_input_ids"],
+            output_hidden_states=True,
+        )
+        encoder = model.get_encoder()(input_ids=io["input_ids"], pixel_values=io["patch_images"])
+        resnet = model.encoder.embed_images(io["patch_images"])
+
+    torch.testing.assert_close(out.logits, io["logits"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.encoder_last_hidden_state, io["encoder_last_hidden_state"], atol=5e-5, rtol=0)
+    for i in range(3):
+        torch.testing.assert_close(out.encoder_hidden_states[i], io[f"encoder_hidden_states.{i}"], atol=5e-5, rtol=0)
+        torch.testing.assert_close(out.decoder_hidden_states[i], io[f"decoder_hidden_states.{i}"], atol=5e-5, rtol=0)
+    torch.testing.assert_close(resnet, io["resnet_features"], atol=5e-5, rtol=0)
+    assert torch.equal(encoder.padding_mask, io["encoder_padding_mask"])
+    torch.testing.assert_close(encoder.position_embedding, io["encoder_position_embedding"], atol=1e-5, rtol=0)
+
+    # The reference decodes 8 greedy steps without an EOS stop.
+    generated = model.generate(
+        input_ids=io["input_ids"], pixel_values=io["patch_images"], max_new_tokens=8, do_sample=False,
+        forced_eos_token_id=None, output_logits=True, return_dict_in_generate=True,
+    )
+    assert generated.sequences[:, 1:].tolist() == io["greedy_tokens"].tolist()
+    torch.testing.assert_close(torch.stack(generated.logits, dim=1), io["greedy_step_logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_relative_buckets_equal_official_index_tables():
+    official = official_token_buckets(256, 1024)
+    positions = torch.arange(1024)
+    ours = token_relative_buckets(positions[:, None] - positions[None, :], 256, 1024)
+    assert torch.equal(ours, official)
+    assert ours[0, 0] == 255 and ours[1023, 0] == 510
+
+    official_image = official_image_buckets(42)
+    height, width = 5, 7  # patch (r, c) has id r * 42 + c + 1 in the official table
+    ids = (torch.arange(height)[:, None] * 42 + torch.arange(width)[None, :] + 1).flatten()
+    assert torch.equal(image_relative_buckets(height, width, 42, torch.device("cpu")), official_image[ids][:, ids])
+
+
+@pytest.mark.parametrize("decomposed", [False, True])
+def test_eager_equals_sdpa(decomposed):
+    inputs = tiny_inputs()
+    decoder_input_ids = torch.tensor([[0, 5, 9, 11], [0, 7, 7, 3]])
+    outputs = []
+    for implementation in ("eager", "sdpa"):
+        model = tiny_model(attn_implementation=implementation, decompose_encoder_modalities=decomposed)
+        with torch.no_grad():
+            outputs.append(model(**inputs, decoder_input_ids=decoder_input_ids))
+    torch.testing.assert_close(outputs[0].logits, outputs[1].logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        outputs[0].encoder_last_hidden_state, outputs[1].encoder_last_hidden_state, atol=1e-5, rtol=1e-5
+    )
+
+
+def test_set_attn_implementation_switches_paths():
+    model = tiny_model(attn_implementation="eager")
+    model.set_attn_implementation("sdpa")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def step_by_step_greedy(model, inputs, steps: int) -> torch.Tensor:
+    """Greedy decoding by re-running the full prefix each step: no cache anywhere."""
+    prefix = torch.zeros(inputs["input_ids"].shape[0], 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(**inputs, decoder_input_ids=prefix, use_cache=False).logits[:, -1]
+            prefix = torch.cat([prefix, logits.argmax(-1, keepdim=True)], dim=1)
+    return prefix
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_cached_generation_equals_uncached(attn_implementation):
+    model = tiny_model(attn_implementation=attn_implementation)
+    inputs = tiny_inputs()
+    settings = dict(max_new_tokens=8, min_new_tokens=8, forced_eos_token_id=None)
+    cached = model.generate(**inputs, **settings)
+    assert cached.tolist() == step_by_step_greedy(model, inputs, 8).tolist()
+    assert cached.tolist() == model.generate(**inputs, **settings, use_cache=False).tolist()
+    beams_cached = model.generate(**inputs, **settings, num_beams=3)
+    assert beams_cached.tolist() == model.generate(**inputs, **settings, num_beams=3, use_cache=False).tolist()
+    assert beams_cached.tolist() != cached.tolist()  # beam search really searched
+
+
+def test_seeded_sampling_is_reproducible_with_and_without_cache():
+    model = tiny_model()
+    inputs = tiny_inputs()
+    runs = []
+    for use_cache in (True, False, True):
+        torch.manual_seed(7)
+        runs.append(model.generate(**inputs, do_sample=True, max_new_tokens=8, use_cache=use_cache).tolist())
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_cache_step_equals_full_prefix_logits():
+    model = tiny_model()
+    inputs = tiny_inputs()
+    decoder_input_ids = torch.tensor([[0, 5, 9, 11, 4], [0, 7, 7, 3, 8]])
+    with torch.no_grad():
+        full = model(**inputs, decoder_input_ids=decoder_input_ids, use_cache=False).logits
+        first = model(**inputs, decoder_input_ids=decoder_input_ids[:, :3], use_cache=True)
+        rest = model(
+            **inputs, decoder_input_ids=decoder_input_ids[:, 3:], past_key_values=first.past_key_values,
+            use_cache=True,
+        )
+    torch.testing.assert_close(torch.cat([first.logits, rest.logits], dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_left_and_right_padding_give_the_unpadded_result():
+    model = tiny_model()
+    inputs = tiny_inputs(batch=1, pad_last=0)
+    decoder_input_ids = torch.tensor([[0, 5, 9]])
+    pixel_values = inputs["pixel_values"]
+    ids = inputs["input_ids"]
+    pads = torch.ones(1, 3, dtype=torch.long)
+    padded = {
+        "right": (torch.cat([ids, pads], 1), torch.cat([torch.ones_like(ids), 0 * pads], 1)),
+        "left": (torch.cat([pads, ids], 1), torch.cat([0 * pads, torch.ones_like(ids)], 1)),
+    }
+    with torch.no_grad():
+        reference = model(input_ids=ids, pixel_values=pixel_values, decoder_input_ids=decoder_input_ids).logits
+        for padded_ids, mask in padded.values():
+            logits = model(
+                input_ids=padded_ids, attention_mask=mask, pixel_values=pixel_values, decoder_input_ids=decoder_input_ids
+            ).logits
+            torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_decomposed_encoder_runs_each_modality_on_its_own():
+    model = tiny_model(decompose_encoder_modalities=True, decomposed_image_relative_bias=True)
+    inputs = tiny_inputs()
+    with torch.no_grad():
+        joint_streams = model.encoder(**inputs).last_hidden_state
+        image_only = model.encoder(pixel_values=inputs["pixel_values"]).last_hidden_state
+        text_only = model.encoder(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        model.config.decompose_encoder_modalities = False
+        fused = model.encoder(**inputs).last_hidden_state
+    torch.testing.assert_close(joint_streams, torch.cat([image_only, text_only.last_hidden_state], 1), atol=1e-5, rtol=0)
+    assert not torch.allclose(joint_streams, fused, atol=1e-3)  # the fused encoder attends across modalities
+
+
+def test_official_mue_image_stream_has_no_relative_bias():
+    """decomposed_image_relative_bias=False (the official MuE code) ignores the image relative tables."""
+    model = tiny_model(decompose_encoder_modalities=True)
+    pixel_values = tiny_inputs()["pixel_values"]
+    with torch.no_grad():
+        before = model.encoder(pixel_values=pixel_values).last_hidden_state
+        for table in model.encoder.image_rel_pos_table_list:
+            table.weight.normal_()
+        after = model.encoder(pixel_values=pixel_values).last_hidden_state
+    assert torch.equal(before, after)
+
+
+def test_labels_give_the_cross_entropy_of_shifted_targets():
+    model = tiny_model()
+    inputs = tiny_inputs()
+    labels = torch.tensor([[5, 9, 11, 2], [7, 3, -100, -100]])
+    out = model(**inputs, labels=labels)
+    decoder_input_ids = shift_tokens_right(labels, pad_token_id=1, decoder_start_token_id=0)
+    assert decoder_input_ids.tolist() == [[0, 5, 9, 11], [0, 7, 3, 1]]
+    logits = model(**inputs, decoder_input_ids=decoder_input_ids).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected)
+    out.loss.backward()
+    assert model.encoder.embed_images.conv1.weight.grad.abs().sum() > 0  # gradients reach the image stem
+
+
+def test_tied_embeddings_are_one_parameter():
+    model = tiny_model()
+    assert model.encoder.embed_tokens.weight is model.decoder.embed_tokens.weight
+    assert model.encoder.embed_tokens.weight is model.decoder.output_projection.weight
+
+
+def test_drop_path_drops_whole_samples():
+    model = tiny_model(encoder_drop_path_rate=0.9, decoder_drop_path_rate=0.9).train()
+    layer = model.encoder.layers[-1]
+    torch.manual_seed(0)
+    x = torch.randn(64, 5, 32)
+    branch = layer.drop_path(torch.ones_like(x))
+    per_sample = branch.flatten(1)
+    assert torch.all(per_sample == per_sample[:, :1])  # every token of a sample is kept or dropped together
+    assert (per_sample[:, 0] == 0).any() and (per_sample[:, 0] > 0).any()
+
+
+@pytest.mark.parametrize(("preset", "millions"), [("tiny", 33.5), ("base", 182.2), ("huge", 929.5)])
+def test_presets_have_the_published_sizes(preset, millions):
+    with torch.device("meta"):
+        model = EarlyExitOFAForConditionalGeneration(OFAEarlyExitConfig.from_preset(preset))
+    assert model.num_parameters() / 1e6 == pytest.approx(millions, abs=0.1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"d_model": 100}, "d_model"),
+        ({"resnet_type": "resnet34"}, "resnet_type"),
+        ({"encoder_layers": -1}, "encoder_layers"),
+        ({"decoder_attention_heads": 0}, "decoder_attention_heads"),
+        ({"dropout": 1.5}, "dropout"),
+        ({"activation_function": "swishy"}, "activation_function"),
+        ({"encoder_normalize_before": False}, "encoder_normalize_before"),
+        ({"entangle_position_embedding": True}, "entangle_position_embedding"),
+    ],
+)
+def test_config_validation_names_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        OFAEarlyExitConfig(**overrides)
+
+
+def test_unknown_preset_is_an_error():
+    with pytest.raises(ValueError, match="preset"):
+        OFAEarlyExitConfig.from_preset("gigantic")
+
+
+def test_bad_forward_inputs_are_clear_errors():
+    model = tiny_model()
+    inputs = tiny_inputs()
+    with pytest.raises(ValueError, match="pixel_values"):
+        model(input_ids=inputs["input_ids"], pixel_values=torch.zeros(2, 64, 64), decoder_input_ids=inputs["input_ids"])
+    with pytest.raises(ValueError, match="image_bucket_size"):
+        model(**{**inputs, "pixel_values": torch.zeros(2, 3, 16 * 43, 16)}, decoder_input_ids=inputs["input_ids"])
+    with pytest.raises(ValueError, match="decoder_input_ids"):
+        model(**inputs)
