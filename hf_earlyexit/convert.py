@@ -128,6 +128,12 @@ def _layer_count(state_dict: dict[str, torch.Tensor], prefix: str) -> int:
     return max(indices) + 1 if indices else 0
 
 
+def _shape(state_dict: dict[str, torch.Tensor], key: str) -> torch.Size:
+    if key not in state_dict:
+        raise ValueError(f"The checkpoint lacks {key!r}, which the architecture is read from.")
+    return state_dict[key].shape
+
+
 def _image_stem(state_dict: dict[str, torch.Tensor]) -> str:
     blocks = tuple(_layer_count(state_dict, f"encoder.embed_images.layer{stage}") for stage in (1, 2, 3))
     for name, layout in RESNET_LAYERS.items():
@@ -147,13 +153,13 @@ def infer_config(state_dict: dict[str, torch.Tensor], port_config: dict | None =
         "d_model": d_model,
         "encoder_layers": _layer_count(state_dict, "encoder.layers"),
         "decoder_layers": _layer_count(state_dict, "decoder.layers"),
-        "encoder_ffn_dim": state_dict["encoder.layers.0.fc1.weight"].shape[0],
-        "decoder_ffn_dim": state_dict["decoder.layers.0.fc1.weight"].shape[0],
-        "encoder_attention_heads": state_dict["encoder.token_rel_pos_table_list.0.weight"].shape[1],
-        "decoder_attention_heads": state_dict["decoder.token_rel_pos_table_list.0.weight"].shape[1],
-        "max_position_embeddings": state_dict["encoder.embed_positions.weight"].shape[0] - 2,
-        "token_bucket_size": (state_dict["encoder.token_rel_pos_table_list.0.weight"].shape[0] + 1) // 2,
-        "image_bucket_size": math.isqrt(state_dict["encoder.embed_image_positions.weight"].shape[0] - 1),
+        "encoder_ffn_dim": _shape(state_dict, "encoder.layers.0.fc1.weight")[0],
+        "decoder_ffn_dim": _shape(state_dict, "decoder.layers.0.fc1.weight")[0],
+        "encoder_attention_heads": _shape(state_dict, "encoder.token_rel_pos_table_list.0.weight")[1],
+        "decoder_attention_heads": _shape(state_dict, "decoder.token_rel_pos_table_list.0.weight")[1],
+        "max_position_embeddings": _shape(state_dict, "encoder.embed_positions.weight")[0] - 2,
+        "token_bucket_size": (_shape(state_dict, "encoder.token_rel_pos_table_list.0.weight")[0] + 1) // 2,
+        "image_bucket_size": math.isqrt(_shape(state_dict, "encoder.embed_image_positions.weight")[0] - 1),
         "resnet_type": _image_stem(state_dict),
         "normformer": "encoder.layers.0.self_attn.c_attn" in state_dict,
         "add_type_embedding": "encoder.type_embedding.weight" in state_dict,

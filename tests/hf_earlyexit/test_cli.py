@@ -1,0 +1,52 @@
+"""The `hf-earlyexit` command line: real runs and one-line errors."""
+
+import pytest
+from PIL import Image
+
+from hf_earlyexit.cli import main
+from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
+from tests.helpers import tiny_model
+
+
+@pytest.fixture
+def model_dir(tmp_path, bart_tokenizer_dir):
+    tokenizer = OFAProcessor.build_tokenizer(str(bart_tokenizer_dir))
+    folder = tmp_path / "model"
+    tiny_model(vocab_size=len(tokenizer)).save_pretrained(folder)
+    OFAProcessor(OFAImageProcessor(size={"height": 64, "width": 64}), tokenizer).save_pretrained(folder)
+    return folder
+
+
+def test_caption_prints_one_line_per_image(model_dir, tmp_path, capsys):
+    image = tmp_path / "red.png"
+    Image.new("RGB", (40, 30), (200, 20, 20)).save(image)
+    assert main(["caption", str(model_dir), str(image), str(image), "--max-new-tokens", "4"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith(str(image) + "\t") for line in lines)
+
+
+def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_tokenizer_dir, tmp_path, capsys):
+    status = main(["convert", "--from", str(reference_fixture), "--to", str(tmp_path / "out"),
+                   "--tokenizer", str(bart_tokenizer_dir)])
+    assert status == 2  # the fixture's 1000-token vocabulary cannot take the 59457-token OFA tokenizer
+    assert "59457 tokens but the model's vocabulary has 1000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("make_argv", "message"),
+    [
+        (lambda d, t: ["caption", str(t / "nowhere"), str(t / "x.png")], "No image at"),
+        (lambda d, t: ["caption", str(t), str(t / "not_image.png")], "Cannot read"),
+        (lambda d, t: ["caption", str(t), str(t / "ok.png")], "not a model folder"),
+        (lambda d, t: ["caption", str(t / "other_model"), str(t / "ok.png")], "not an hf-earlyexit OFA model"),
+        (lambda d, t: ["convert", "--from", str(t / "nowhere"), "--to", str(t / "out")], "No checkpoint"),
+    ],
+)
+def test_user_errors_are_one_line(tmp_path, capsys, make_argv, message):
+    (tmp_path / "not_image.png").write_text("this is not a png")
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
+    (tmp_path / "other_model").mkdir()
+    (tmp_path / "other_model" / "config.json").write_text('{"model_type": "bert"}')
+    assert main(make_argv(None, tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-earlyexit: error: ") and message in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,61 @@
+"""save_pretrained -> from_pretrained: in-process, as remote code without hf_earlyexit, and through Auto classes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
+
+from hf_earlyexit import EarlyExitOFAForConditionalGeneration
+from tests.helpers import tiny_inputs, tiny_model
+
+GENERATE = dict(max_new_tokens=6, num_beams=3)
+
+
+def test_save_writes_remote_code_and_auto_map(tmp_path):
+    tiny_model().save_pretrained(tmp_path)
+    files = set(os.listdir(tmp_path))
+    assert {"config.json", "model.safetensors", "modeling_ofa.py", "configuration_ofa.py"} <= files
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert auto_map == {
+        "AutoConfig": "configuration_ofa.OFAEarlyExitConfig",
+        "AutoModel": "modeling_ofa.EarlyExitOFAForConditionalGeneration",
+    }
+
+
+def test_in_process_reload_generates_identically(tmp_path):
+    model = tiny_model()
+    inputs = tiny_inputs()
+    model.save_pretrained(tmp_path)
+    for loader in (EarlyExitOFAForConditionalGeneration, AutoModel, AutoModelForSeq2SeqLM):
+        reloaded = loader.from_pretrained(tmp_path).eval()
+        assert isinstance(reloaded, EarlyExitOFAForConditionalGeneration)  # the package's class, no remote code
+        assert torch.equal(reloaded.generate(**inputs, **GENERATE), model.generate(**inputs, **GENERATE))
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "ofa_early_exit"
+
+
+SUBPROCESS = """
+import sys
+sys.modules["hf_earlyexit"] = None  # importing the package now fails: only the shipped remote code can load
+import torch
+from transformers import AutoModel
+inputs = torch.load(sys.argv[2])
+model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+torch.save(model.generate(**inputs, max_new_tokens=6, num_beams=3), sys.argv[3])
+"""
+
+
+def test_remote_code_loads_without_the_package(tmp_path):
+    model = tiny_model()
+    inputs = tiny_inputs()
+    model.save_pretrained(tmp_path / "model")
+    torch.save(inputs, tmp_path / "inputs.pt")
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    subprocess.run(
+        [sys.executable, "-c", SUBPROCESS, str(tmp_path / "model"), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+        check=True, env=environment, cwd=tmp_path, capture_output=True, text=True,
+    )
+    assert torch.equal(torch.load(tmp_path / "out.pt"), model.generate(**inputs, **GENERATE))
