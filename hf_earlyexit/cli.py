@@ -80,7 +80,7 @@ def cmd_caption(args: argparse.Namespace) -> None:
     images = [load_image(path) for path in args.images]
     model, processor = load_model_and_processor(args.model_dir)
     captions, _, seconds = caption_images(model, processor, images, args.prompt, args.num_beams, args.max_new_tokens)
-    for path, caption in zip(args.images, captions):
+    for path, caption in zip(args.images, captions, strict=True):
         print(f"{path}\t{caption.strip()}")
     print(f"{len(images)} image(s) in {seconds:.2f} s", file=sys.stderr)
 
@@ -127,13 +127,15 @@ def cmd_demo(args: argparse.Namespace) -> None:
     config = OFAEarlyExitConfig.from_preset("tiny", vocab_size=len(tokenizer))
     EarlyExitOFAForConditionalGeneration(config).save_pretrained(model_dir)
     OFAProcessor(OFAImageProcessor(size={"height": 256, "width": 256}), tokenizer).save_pretrained(model_dir)
-    print(f"2. built an OFA-tiny model ({config.resnet_type} stem, {config.encoder_layers}+{config.decoder_layers} "
-          f"layers, d_model {config.d_model}) with the OFA tokenizer -> {model_dir}")
+    print(
+        f"2. built an OFA-tiny model ({config.resnet_type} stem, {config.encoder_layers}+{config.decoder_layers} "
+        f"layers, d_model {config.d_model}) with the OFA tokenizer -> {model_dir}"
+    )
     print("   its weights are randomly initialised: the caption below shows the pipeline, not a trained model")
 
     model, processor = load_model_and_processor(str(model_dir))
     captions, sequences, seconds = caption_images(model, processor, [sample_image()], PROMPT, 5, 16)
-    print(f"3. loaded it with AutoModel/AutoProcessor (trust_remote_code=True) and captioned a drawn image, beam 5:")
+    print("3. loaded it with AutoModel/AutoProcessor (trust_remote_code=True) and captioned a drawn image, beam 5:")
     print(f"   prompt {PROMPT!r} -> {captions[0].strip()!r}")
     print(f"   tokens {sequences[0].tolist()}")
     print(f"   {seconds:.2f} s on {torch.get_num_threads()} CPU thread(s)")

@@ -46,15 +46,57 @@ TIED_KEYS = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "deco
 # Fields of the official port's config.json that configure nothing in the architecture: generation settings
 # (they belong in generation_config.json) and transformers-4 bookkeeping.
 IGNORED_PORT_FIELDS = {
-    "_name_or_path", "add_cross_attention", "architectures", "bad_words_ids", "chunk_size_feed_forward",
-    "classifier_dropout", "cross_attention_hidden_size", "diversity_penalty", "do_sample", "early_stopping",
-    "encoder_no_repeat_ngram_size", "exponential_decay_length_penalty", "finetuning_task", "forced_bos_token_id",
-    "id2label", "is_decoder", "label2id", "length_penalty", "max_length", "min_length", "model_type",
-    "no_repeat_ngram_size", "num_beam_groups", "num_beams", "num_hidden_layers", "num_return_sequences",
-    "output_attentions", "output_hidden_states", "output_scores", "prefix", "problem_type", "pruned_heads",
-    "remove_invalid_values", "repetition_penalty", "resnet_model_path", "return_dict", "return_dict_in_generate",
-    "sep_token_id", "task_specific_params", "temperature", "tie_encoder_decoder", "tokenizer_class", "top_k",
-    "top_p", "torch_dtype", "dtype", "torchscript", "transformers_version", "typical_p", "use_bfloat16", "use_cache",
+    "_name_or_path",
+    "add_cross_attention",
+    "architectures",
+    "bad_words_ids",
+    "chunk_size_feed_forward",
+    "classifier_dropout",
+    "cross_attention_hidden_size",
+    "diversity_penalty",
+    "do_sample",
+    "early_stopping",
+    "encoder_no_repeat_ngram_size",
+    "exponential_decay_length_penalty",
+    "finetuning_task",
+    "forced_bos_token_id",
+    "id2label",
+    "is_decoder",
+    "label2id",
+    "length_penalty",
+    "max_length",
+    "min_length",
+    "model_type",
+    "no_repeat_ngram_size",
+    "num_beam_groups",
+    "num_beams",
+    "num_hidden_layers",
+    "num_return_sequences",
+    "output_attentions",
+    "output_hidden_states",
+    "output_scores",
+    "prefix",
+    "problem_type",
+    "pruned_heads",
+    "remove_invalid_values",
+    "repetition_penalty",
+    "resnet_model_path",
+    "return_dict",
+    "return_dict_in_generate",
+    "sep_token_id",
+    "task_specific_params",
+    "temperature",
+    "tie_encoder_decoder",
+    "tokenizer_class",
+    "top_k",
+    "top_p",
+    "torch_dtype",
+    "dtype",
+    "torchscript",
+    "transformers_version",
+    "typical_p",
+    "use_bfloat16",
+    "use_cache",
 }
 # The port's name for our field.
 PORT_FIELD_RENAMES = {"share_decoder_input_output_embed": "tie_word_embeddings"}
@@ -198,7 +240,9 @@ def load_converted_model(
     missing = sorted(expected - set(state_dict))
     unexpected = sorted(set(state_dict) - expected)
     if missing or unexpected:
-        raise ValueError(f"The checkpoint does not match the model. Missing keys: {missing}; unexpected keys: {unexpected}.")
+        raise ValueError(
+            f"The checkpoint does not match the model. Missing keys: {missing}; unexpected keys: {unexpected}."
+        )
     shapes = [
         f"{key}: {tuple(state_dict[key].shape)} vs {tuple(value.shape)}"
         for key, value in model.state_dict().items()

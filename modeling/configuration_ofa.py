@@ -16,16 +16,56 @@ PATCH_STEM = "patch"
 IMAGE_STEMS = (*RESNET_LAYERS, PATCH_STEM)
 
 PRESETS = {
-    "tiny": dict(d_model=256, encoder_layers=4, decoder_layers=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024,
-                 encoder_attention_heads=4, decoder_attention_heads=4, resnet_type="resnet50"),
-    "medium": dict(d_model=512, encoder_layers=4, decoder_layers=4, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
-                   encoder_attention_heads=8, decoder_attention_heads=8, resnet_type="resnet101"),
-    "base": dict(d_model=768, encoder_layers=6, decoder_layers=6, encoder_ffn_dim=3072, decoder_ffn_dim=3072,
-                 encoder_attention_heads=12, decoder_attention_heads=12, resnet_type="resnet101"),
-    "large": dict(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_ffn_dim=4096, decoder_ffn_dim=4096,
-                  encoder_attention_heads=16, decoder_attention_heads=16, resnet_type="resnet152"),
-    "huge": dict(d_model=1280, encoder_layers=24, decoder_layers=12, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
-                 encoder_attention_heads=16, decoder_attention_heads=16, resnet_type="resnet152"),
+    "tiny": dict(
+        d_model=256,
+        encoder_layers=4,
+        decoder_layers=4,
+        encoder_ffn_dim=1024,
+        decoder_ffn_dim=1024,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        resnet_type="resnet50",
+    ),
+    "medium": dict(
+        d_model=512,
+        encoder_layers=4,
+        decoder_layers=4,
+        encoder_ffn_dim=2048,
+        decoder_ffn_dim=2048,
+        encoder_attention_heads=8,
+        decoder_attention_heads=8,
+        resnet_type="resnet101",
+    ),
+    "base": dict(
+        d_model=768,
+        encoder_layers=6,
+        decoder_layers=6,
+        encoder_ffn_dim=3072,
+        decoder_ffn_dim=3072,
+        encoder_attention_heads=12,
+        decoder_attention_heads=12,
+        resnet_type="resnet101",
+    ),
+    "large": dict(
+        d_model=1024,
+        encoder_layers=12,
+        decoder_layers=12,
+        encoder_ffn_dim=4096,
+        decoder_ffn_dim=4096,
+        encoder_attention_heads=16,
+        decoder_attention_heads=16,
+        resnet_type="resnet152",
+    ),
+    "huge": dict(
+        d_model=1280,
+        encoder_layers=24,
+        decoder_layers=12,
+        encoder_ffn_dim=5120,
+        decoder_ffn_dim=5120,
+        encoder_attention_heads=16,
+        decoder_attention_heads=16,
+        resnet_type="resnet152",
+    ),
 }
 
 
@@ -143,9 +183,19 @@ class OFAEarlyExitConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         """Part of `@strict` validation: every message names the offending field."""
-        positive = ("vocab_size", "max_position_embeddings", "d_model", "encoder_layers", "decoder_layers",
-                    "encoder_ffn_dim", "decoder_ffn_dim", "encoder_attention_heads", "decoder_attention_heads",
-                    "image_bucket_size", "code_image_size")
+        positive = (
+            "vocab_size",
+            "max_position_embeddings",
+            "d_model",
+            "encoder_layers",
+            "decoder_layers",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+            "image_bucket_size",
+            "code_image_size",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)}.")
@@ -153,8 +203,16 @@ class OFAEarlyExitConfig(PreTrainedConfig):
             heads = getattr(self, f"{side}_attention_heads")
             if self.d_model % heads:
                 raise ValueError(f"`d_model` ({self.d_model}) must be divisible by `{side}_attention_heads` ({heads}).")
-        rates = ("encoder_layerdrop", "decoder_layerdrop", "encoder_drop_path_rate", "decoder_drop_path_rate",
-                 "resnet_drop_path_rate", "dropout", "attention_dropout", "activation_dropout")
+        rates = (
+            "encoder_layerdrop",
+            "decoder_layerdrop",
+            "encoder_drop_path_rate",
+            "decoder_drop_path_rate",
+            "resnet_drop_path_rate",
+            "dropout",
+            "attention_dropout",
+            "activation_dropout",
+        )
         for name in rates:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"`{name}` must lie in [0, 1], got {getattr(self, name)}.")

@@ -89,6 +89,13 @@ def drop_path_rates(rate: float, count: int) -> list[float]:
     return [rate * i / (count - 1) if count > 1 else 0.0 for i in range(count)]
 
 
+def layers_to_run(count: int, layerdrop: float, training: bool) -> list[int]:
+    """Indices of the layers one forward runs: all, minus LayerDrop's random picks in training."""
+    if not training or layerdrop == 0.0:
+        return list(range(count))
+    return [i for i in range(count) if torch.rand(()).item() >= layerdrop]
+
+
 class DropPath(nn.Module):
     def __init__(self, rate: float = 0.0):
         super().__init__()
@@ -96,6 +103,11 @@ class DropPath(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return drop_path(x, self.rate, self.training)
+
+
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[batch, length, d_model] -> [batch, heads, length, head_dim]."""
+    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)
 
 
 def optional_layer_norm(enabled: bool, width: int) -> nn.Module:
@@ -154,7 +166,7 @@ class OFAResNet(nn.Module):
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
         rates = drop_path_rates(drop_path_rate, sum(blocks))
         inplanes = 64
-        for stage, (planes, count, stride) in enumerate(zip((64, 128, 256), blocks, (1, 2, 2)), start=1):
+        for stage, (planes, count, stride) in enumerate(zip((64, 128, 256), blocks, (1, 2, 2), strict=True), start=1):
             stage_rates, rates = rates[:count], rates[count:]
             layers = []
             for i in range(count):
@@ -227,10 +239,6 @@ class OFAAttention(nn.Module):
         self.out_proj = nn.Linear(config.d_model, config.d_model)
         self.c_attn = nn.Parameter(torch.ones(num_heads)) if config.normformer else None
 
-    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, length, d_model] -> [batch, heads, length, head_dim]."""
-        return x.view(*x.shape[:-1], self.num_heads, self.head_dim).transpose(1, 2)
-
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -239,14 +247,14 @@ class OFAAttention(nn.Module):
         past_key_values: EncoderDecoderCache | None = None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        query = self.split_heads(self.q_proj(hidden_states))
+        query = split_heads(self.q_proj(hidden_states), self.num_heads)
         source = key_value_states if self.is_cross_attention else hidden_states
         if self.is_cross_attention and past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
             layer_cache = past_key_values.cross_attention_cache.layers[self.layer_idx]
             key, value = layer_cache.keys, layer_cache.values
         else:
-            key = self.split_heads(self.k_proj(source))
-            value = self.split_heads(self.v_proj(source))
+            key = split_heads(self.k_proj(source), self.num_heads)
+            value = split_heads(self.v_proj(source), self.num_heads)
             if past_key_values is not None and self.is_cross_attention:
                 key, value = past_key_values.cross_attention_cache.update(key, value, self.layer_idx)
                 past_key_values.is_updated[self.layer_idx] = True
@@ -254,8 +262,14 @@ class OFAAttention(nn.Module):
                 key, value = past_key_values.self_attention_cache.update(key, value, self.layer_idx)
 
         out, weights = attention(
-            query, key, value, bias, self.scaling, self.dropout if self.training else 0.0,
-            self.config._attn_implementation, output_attentions,
+            query,
+            key,
+            value,
+            bias,
+            self.scaling,
+            self.dropout if self.training else 0.0,
+            self.config._attn_implementation,
+            output_attentions,
         )
         if self.c_attn is not None:
             out = out * self.c_attn[None, :, None, None]
@@ -293,7 +307,9 @@ class OFAEncoderLayer(GradientCheckpointingLayer):
     def forward(
         self, hidden_states: torch.Tensor, bias: torch.Tensor, output_attentions: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attn, weights = self.self_attn(self.self_attn_layer_norm(hidden_states), bias, output_attentions=output_attentions)
+        attn, weights = self.self_attn(
+            self.self_attn_layer_norm(hidden_states), bias, output_attentions=output_attentions
+        )
         hidden_states = self.residual(hidden_states, self.self_attn_mid_layer_norm(attn))
         return self.feed_forward(hidden_states), weights
 
@@ -317,13 +333,18 @@ class OFADecoderLayer(OFAEncoderLayer):
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         attn, self_weights = self.self_attn(
-            self.self_attn_layer_norm(hidden_states), self_bias, past_key_values=past_key_values,
+            self.self_attn_layer_norm(hidden_states),
+            self_bias,
+            past_key_values=past_key_values,
             output_attentions=output_attentions,
         )
         hidden_states = self.residual(hidden_states, self.self_attn_mid_layer_norm(attn))
         attn, cross_weights = self.cross_attn(
-            self.cross_attn_layer_norm(hidden_states), cross_bias, key_value_states=encoder_hidden_states,
-            past_key_values=past_key_values, output_attentions=output_attentions,
+            self.cross_attn_layer_norm(hidden_states),
+            cross_bias,
+            key_value_states=encoder_hidden_states,
+            past_key_values=past_key_values,
+            output_attentions=output_attentions,
         )
         hidden_states = self.residual(hidden_states, self.cross_attn_mid_layer_norm(attn))
         return self.feed_forward(hidden_states), self_weights, cross_weights
@@ -344,6 +365,8 @@ class OFAEncoderOutput(ModelOutput):
         cross-attention position bias.
     hidden_states: embedding output and each layer's output (before the final LayerNorm), if asked.
     attentions: each layer's attention probabilities, if asked (joint encoder only).
+    cross_position_keys: [batch, heads, S, head_dim], the decoder's `cross_pos_k_linear(position_embedding)`,
+        filled by the decoder on its first no-grad call and reused at every later decoding step.
     """
 
     last_hidden_state: torch.FloatTensor | None = None
@@ -351,11 +374,14 @@ class OFAEncoderOutput(ModelOutput):
     position_embedding: torch.FloatTensor | None = None
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     attentions: tuple[torch.FloatTensor, ...] | None = None
+    cross_position_keys: torch.FloatTensor | None = None
 
 
 def relative_tables(config: OFAEarlyExitConfig, num_layers: int, num_heads: int) -> tuple[nn.ModuleList, ...]:
     """Per-layer text (2 * token_bucket_size - 1 buckets) and image ((2 * image_bucket_size - 1)^2 + 3) tables."""
-    text = nn.ModuleList(OFARelativePositionTable(2 * config.token_bucket_size - 1, num_heads) for _ in range(num_layers))
+    text = nn.ModuleList(
+        OFARelativePositionTable(2 * config.token_bucket_size - 1, num_heads) for _ in range(num_layers)
+    )
     image_buckets = (2 * config.image_bucket_size - 1) ** 2 + 3
     image = nn.ModuleList(OFARelativePositionTable(image_buckets, num_heads) for _ in range(num_layers))
     return text, image
@@ -365,9 +391,8 @@ def position_bias(
     q_linear: nn.Linear, k_linear: nn.Linear, queries: torch.Tensor, keys: torch.Tensor, num_heads: int, scaling: float
 ) -> torch.Tensor:
     """Absolute position bias (q_linear(queries) * scaling) @ k_linear(keys)^T per head: [batch, heads, Lq, Lk]."""
-    q = q_linear(queries).unflatten(-1, (num_heads, -1)).transpose(1, 2) * scaling
-    k = k_linear(keys).unflatten(-1, (num_heads, -1)).transpose(1, 2)
-    return torch.matmul(q, k.transpose(-1, -2))
+    q = split_heads(q_linear(queries), num_heads) * scaling
+    return torch.matmul(q, split_heads(k_linear(keys), num_heads).transpose(-1, -2))
 
 
 class OFAEncoder(nn.Module):
@@ -418,8 +443,8 @@ class OFAEncoder(nn.Module):
         height, width = features.shape[-2:]
         if max(height, width) > self.config.image_bucket_size:
             raise ValueError(
-                f"An image of {pixel_values.shape[-2]}x{pixel_values.shape[-1]} px gives a {height}x{width} patch grid; "
-                f"the model takes at most {self.config.image_bucket_size} patches per side (`image_bucket_size`)."
+                f"An image of {pixel_values.shape[-2]}x{pixel_values.shape[-1]} px gives a {height}x{width} patch "
+                f"grid; the model takes at most {self.config.image_bucket_size} patches per side (`image_bucket_size`)."
             )
         x = self.image_proj(features.flatten(2).transpose(1, 2)) * self.embed_scale
         if self.type_embedding is not None:
@@ -449,15 +474,18 @@ class OFAEncoder(nn.Module):
         num_image: int,
         text_buckets: torch.Tensor | None,
         image_buckets: torch.Tensor | None,
-        padding: torch.Tensor,
     ) -> torch.Tensor:
-        """Absolute bias + this layer's relative biases on the text and image blocks, pads masked as keys."""
+        """Absolute bias (pads already masked) + this layer's relative biases on the text and image blocks."""
         bias = absolute.clone()
         if text_buckets is not None:
-            bias[:, :, num_image:, num_image:] += self.token_rel_pos_table_list[layer_idx](text_buckets).permute(0, 3, 1, 2)
+            bias[:, :, num_image:, num_image:] += self.token_rel_pos_table_list[layer_idx](text_buckets).permute(
+                0, 3, 1, 2
+            )
         if image_buckets is not None:
-            bias[:, :, :num_image, :num_image] += self.image_rel_pos_table_list[layer_idx](image_buckets).permute(2, 0, 1)
-        return bias.masked_fill(padding[:, None, None, :], torch.finfo(bias.dtype).min)
+            bias[:, :, :num_image, :num_image] += self.image_rel_pos_table_list[layer_idx](image_buckets).permute(
+                2, 0, 1
+            )
+        return bias
 
     def run_layers(
         self,
@@ -466,16 +494,14 @@ class OFAEncoder(nn.Module):
         num_image: int,
         text_buckets: torch.Tensor | None,
         image_buckets: torch.Tensor | None,
-        padding: torch.Tensor,
+        layers: list[int],
         output_attentions: bool,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every layer over one sequence (joint, or one modality stream): per-layer states and attentions."""
+        """The given layers over one sequence (joint, or one modality stream): per-layer states and attentions."""
         states, attentions = [hidden_states], []
-        for idx, layer in enumerate(self.layers):
-            if self.training and self.config.encoder_layerdrop > torch.rand(()).item():
-                continue
-            bias = self.layer_bias(idx, absolute, num_image, text_buckets, image_buckets, padding)
-            hidden_states, weights = layer(hidden_states, bias, output_attentions)
+        for idx in layers:
+            bias = self.layer_bias(idx, absolute, num_image, text_buckets, image_buckets)
+            hidden_states, weights = self.layers[idx](hidden_states, bias, output_attentions)
             states.append(hidden_states)
             attentions.append(weights)
         return states, attentions
@@ -520,29 +546,51 @@ class OFAEncoder(nn.Module):
         padding = torch.cat(paddings, dim=1)
         hidden_states = hidden_states * (~padding).unsqueeze(-1).to(hidden_states.dtype)
         absolute = position_bias(
-            self.pos_q_linear, self.pos_k_linear, position_embedding, position_embedding, self.num_heads,
+            self.pos_q_linear,
+            self.pos_k_linear,
+            position_embedding,
+            position_embedding,
+            self.num_heads,
             self.pos_scaling,
         )  # [batch, heads, S, S]
+        # Pads are masked as keys once here; the relative biases added per layer keep them at ~finfo.min.
+        absolute = absolute.masked_fill(padding[:, None, None, :], torch.finfo(absolute.dtype).min)
 
+        # One LayerDrop draw per forward, so both streams of a decomposed encoder skip the same layers.
+        layers = layers_to_run(len(self.layers), self.config.encoder_layerdrop, self.training)
         if not decomposed:
             states, attentions = self.run_layers(
-                hidden_states, absolute, num_image, text_buckets, image_buckets, padding, output_attentions
+                hidden_states, absolute, num_image, text_buckets, image_buckets, layers, output_attentions
             )
         else:
             # MuE: each modality attends only to itself; the streams meet in the decoder's cross-attention.
             streams = []
             if num_image:
                 image_rel = image_buckets if self.config.decomposed_image_relative_bias else None
-                streams.append(self.run_layers(
-                    hidden_states[:, :num_image], absolute[:, :, :num_image, :num_image], num_image, None, image_rel,
-                    padding[:, :num_image], False,
-                ))
+                streams.append(
+                    self.run_layers(
+                        hidden_states[:, :num_image],
+                        absolute[:, :, :num_image, :num_image],
+                        num_image,
+                        None,
+                        image_rel,
+                        layers,
+                        False,
+                    )
+                )
             if text_length:
-                streams.append(self.run_layers(
-                    hidden_states[:, num_image:], absolute[:, :, num_image:, num_image:], 0, text_buckets, None,
-                    padding[:, num_image:], False,
-                ))
-            states = [torch.cat(per_layer, dim=1) for per_layer in zip(*(s for s, _ in streams))]
+                streams.append(
+                    self.run_layers(
+                        hidden_states[:, num_image:],
+                        absolute[:, :, num_image:, num_image:],
+                        0,
+                        text_buckets,
+                        None,
+                        layers,
+                        False,
+                    )
+                )
+            states = [torch.cat(per_layer, dim=1) for per_layer in zip(*(s for s, _ in streams), strict=True)]
             attentions = []
 
         return OFAEncoderOutput(
@@ -587,6 +635,19 @@ class OFADecoder(nn.Module):
         self.layer_norm = nn.LayerNorm(d_model)
         self.output_projection = nn.Linear(d_model, config.vocab_size, bias=False)
 
+    def cross_position_keys(self, encoder_outputs: OFAEncoderOutput) -> torch.Tensor:
+        """Keys of the cross-attention position bias, [batch, heads, S, head_dim].
+
+        They depend only on the encoder output, so during generation (no grad) they are computed once and kept on
+        the encoder output; with grad they are always recomputed, so training never reads stale weights.
+        """
+        if encoder_outputs.cross_position_keys is not None and not torch.is_grad_enabled():
+            return encoder_outputs.cross_position_keys
+        keys = split_heads(self.cross_pos_k_linear(encoder_outputs.position_embedding), self.num_heads)
+        if not torch.is_grad_enabled():
+            encoder_outputs.cross_position_keys = keys
+        return keys
+
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -604,7 +665,8 @@ class OFADecoder(nn.Module):
         length = past + input_ids.shape[1]
         if attention_mask is not None and attention_mask.shape[-1] != length:
             raise ValueError(
-                f"`decoder_attention_mask` must cover the cached and new tokens ({length}), got {attention_mask.shape[-1]}."
+                f"`decoder_attention_mask` must cover the cached and new tokens ({length}), "
+                f"got {attention_mask.shape[-1]}."
             )
         position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, past + q]
         query_ids = position_ids[:, past:]
@@ -617,15 +679,16 @@ class OFADecoder(nn.Module):
         self_absolute = position_bias(
             self.self_pos_q_linear, self.self_pos_k_linear, query_positions, positions, self.num_heads, self.pos_scaling
         )  # [batch or 1, heads, q, past + q]
-        cross_bias = position_bias(
-            self.cross_pos_q_linear, self.cross_pos_k_linear, query_positions, encoder_outputs.position_embedding,
-            self.num_heads, self.pos_scaling,
+        cross_bias = torch.matmul(
+            split_heads(self.cross_pos_q_linear(query_positions), self.num_heads) * self.pos_scaling,
+            self.cross_position_keys(encoder_outputs).transpose(-1, -2),
         )  # [batch, heads, q, S]
         cross_bias = cross_bias.masked_fill(
             encoder_outputs.padding_mask[:, None, None, :], torch.finfo(cross_bias.dtype).min
         )
         buckets = token_relative_buckets(
-            query_ids[:, :, None] - position_ids[:, None, :], self.config.token_bucket_size,
+            query_ids[:, :, None] - position_ids[:, None, :],
+            self.config.token_bucket_size,
             self.config.max_position_embeddings,
         )  # [batch or 1, q, past + q]
         keys = torch.arange(length, device=input_ids.device)
@@ -634,13 +697,16 @@ class OFADecoder(nn.Module):
             masked = masked | attention_mask.eq(0)[:, None, None, :]
 
         states, self_attentions, cross_attentions = [hidden_states], [], []
-        for idx, layer in enumerate(self.layers):
-            if self.training and self.config.decoder_layerdrop > torch.rand(()).item():
-                continue
+        for idx in layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training):
+            layer = self.layers[idx]
             self_bias = self_absolute + self.token_rel_pos_table_list[idx](buckets).permute(0, 3, 1, 2)
             self_bias = self_bias.masked_fill(masked, torch.finfo(self_bias.dtype).min)
             hidden_states, self_weights, cross_weights = layer(
-                hidden_states, self_bias, encoder_outputs.last_hidden_state, cross_bias, past_key_values,
+                hidden_states,
+                self_bias,
+                encoder_outputs.last_hidden_state,
+                cross_bias,
+                past_key_values,
                 output_attentions,
             )
             states.append(hidden_states)
@@ -762,7 +828,10 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, GenerationMixin):
             raise ValueError("Pass `decoder_input_ids` or `labels` (or call `generate`).")
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
-                input_ids, attention_mask, pixel_values, output_attentions=output_attentions,
+                input_ids,
+                attention_mask,
+                pixel_values,
+                output_attentions=output_attentions,
                 output_hidden_states=output_hidden_states,
             )
         if use_cache and past_key_values is None:
@@ -771,8 +840,12 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, GenerationMixin):
             raise ValueError(f"`past_key_values` must be an EncoderDecoderCache, got {type(past_key_values).__name__}.")
 
         decoder_outputs = self.decoder(
-            decoder_input_ids, encoder_outputs, decoder_attention_mask, past_key_values if use_cache else None,
-            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+            decoder_input_ids,
+            encoder_outputs,
+            decoder_attention_mask,
+            past_key_values if use_cache else None,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
         )
         logits = self.decoder.output_projection(decoder_outputs.last_hidden_state)
         loss = None

@@ -7,8 +7,16 @@ from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfi
 
 def tiny_config(**overrides) -> OFAEarlyExitConfig:
     settings = dict(
-        vocab_size=120, d_model=32, encoder_layers=2, decoder_layers=3, encoder_ffn_dim=64, decoder_ffn_dim=64,
-        encoder_attention_heads=4, decoder_attention_heads=4, resnet_type="patch", dropout=0.0,
+        vocab_size=120,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        resnet_type="patch",
+        dropout=0.0,
     )
     return OFAEarlyExitConfig(**{**settings, **overrides})
 
@@ -24,8 +32,11 @@ def tiny_model(seed: int = 1, attn_implementation: str = "eager", **overrides) -
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name or name.endswith("c_attn") or (name.endswith(".weight") and "bn" in name):
-                parameter.copy_(1 + 0.1 * torch.randn_like(parameter) if name.endswith(("weight", "c_attn"))
-                                else 0.1 * torch.randn_like(parameter))
+                parameter.copy_(
+                    1 + 0.1 * torch.randn_like(parameter)
+                    if name.endswith(("weight", "c_attn"))
+                    else 0.1 * torch.randn_like(parameter)
+                )
             elif name.endswith(".bias"):
                 parameter.normal_(0.0, 0.1)
             elif "embed" in name or "rel_pos_table" in name:

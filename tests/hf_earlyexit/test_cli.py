@@ -1,10 +1,10 @@
 """The `hf-earlyexit` command line: real runs and one-line errors."""
 
 import pytest
+from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from PIL import Image
 
 from hf_earlyexit.cli import main
-from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from tests.helpers import tiny_model
 
 
@@ -26,8 +26,17 @@ def test_caption_prints_one_line_per_image(model_dir, tmp_path, capsys):
 
 
 def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_tokenizer_dir, tmp_path, capsys):
-    status = main(["convert", "--from", str(reference_fixture), "--to", str(tmp_path / "out"),
-                   "--tokenizer", str(bart_tokenizer_dir)])
+    status = main(
+        [
+            "convert",
+            "--from",
+            str(reference_fixture),
+            "--to",
+            str(tmp_path / "out"),
+            "--tokenizer",
+            str(bart_tokenizer_dir),
+        ]
+    )
     assert status == 2  # the fixture's 1000-token vocabulary cannot take the 59457-token OFA tokenizer
     assert "59457 tokens but the model's vocabulary has 1000" in capsys.readouterr().err
 

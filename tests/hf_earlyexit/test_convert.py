@@ -16,8 +16,10 @@ from tests.modeling.test_modeling_ofa import official_image_buckets, official_to
 TO_FAIRSEQ = {
     "encoder": (("self_attn_mid_layer_norm", "attn_ln"), ("ffn_layer_norm", "ffn_layernorm")),
     "decoder": (
-        ("self_attn_mid_layer_norm", "self_attn_ln"), ("cross_attn_mid_layer_norm", "cross_attn_ln"),
-        ("cross_attn.", "encoder_attn."), ("cross_attn_layer_norm", "encoder_attn_layer_norm"),
+        ("self_attn_mid_layer_norm", "self_attn_ln"),
+        ("cross_attn_mid_layer_norm", "cross_attn_ln"),
+        ("cross_attn.", "encoder_attn."),
+        ("cross_attn_layer_norm", "encoder_attn_layer_norm"),
         ("ffn_layer_norm", "ffn_layernorm"),
     ),
 }
@@ -41,8 +43,9 @@ def reference_logits(model, fixture) -> torch.Tensor:
 def copy_port_checkpoint(fixture, folder, state_dict=None):
     folder.mkdir()
     shutil.copy(fixture / "config.json", folder / "config.json")
-    save_file(state_dict if state_dict is not None else load_file(fixture / "model.safetensors"),
-              folder / "model.safetensors")
+    save_file(
+        state_dict if state_dict is not None else load_file(fixture / "model.safetensors"), folder / "model.safetensors"
+    )
     return folder
 
 
@@ -59,15 +62,17 @@ def test_index_buffers_and_version_keys_are_accepted_and_dropped(reference_fixtu
     state_dict = load_file(reference_fixture / "model.safetensors")
     # [0] + 256 code-window ids + [1024] * 768, as the port stores it (its values never matter here).
     image_position_idx = torch.cat([torch.tensor([0]), torch.arange(256) + 1, torch.full((768,), 1024)])
-    state_dict.update({
-        "encoder.token_rp_bucket": official_token_buckets(256, 1024),
-        "decoder.token_rp_bucket": official_token_buckets(256, 1024),
-        "encoder.image_rp_bucket": official_image_buckets(42),
-        "decoder.image_rp_bucket": official_image_buckets(42),
-        "decoder.image_position_idx": image_position_idx,
-        "encoder.version": torch.tensor([3.0]),
-        "decoder.version": torch.tensor([3.0]),
-    })
+    state_dict.update(
+        {
+            "encoder.token_rp_bucket": official_token_buckets(256, 1024),
+            "decoder.token_rp_bucket": official_token_buckets(256, 1024),
+            "encoder.image_rp_bucket": official_image_buckets(42),
+            "decoder.image_rp_bucket": official_image_buckets(42),
+            "decoder.image_position_idx": image_position_idx,
+            "encoder.version": torch.tensor([3.0]),
+            "decoder.version": torch.tensor([3.0]),
+        }
+    )
     source = copy_port_checkpoint(reference_fixture, tmp_path / "with_buffers", state_dict)
     model = convert_checkpoint(source, tmp_path / "converted")
     logits, official = reference_logits(model, reference_fixture)
@@ -116,7 +121,9 @@ def test_fairseq_checkpoint_converts_to_the_same_model(reference_fixture, tmp_pa
 
 def test_fairseq_renames_apply_in_order():
     assert FAIRSEQ_RENAMES[-1][0] == "attn_ln"
-    assert rename_fairseq_key("decoder.layers.3.self_attn_ln.weight") == "decoder.layers.3.self_attn_mid_layer_norm.weight"
+    assert (
+        rename_fairseq_key("decoder.layers.3.self_attn_ln.weight") == "decoder.layers.3.self_attn_mid_layer_norm.weight"
+    )
     assert rename_fairseq_key("encoder.layers.3.attn_ln.bias") == "encoder.layers.3.self_attn_mid_layer_norm.bias"
     assert rename_fairseq_key("decoder.layers.0.encoder_attn_layer_norm.weight") == (
         "decoder.layers.0.cross_attn_layer_norm.weight"

@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from hf_earlyexit.modeling.modeling_ofa import image_relative_buckets, shift_tokens_right, token_relative_buckets
 from safetensors.torch import load_file
 
 from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from hf_earlyexit.convert import clean_state_dict, infer_config, load_converted_model
-from hf_earlyexit.modeling.modeling_ofa import image_relative_buckets, shift_tokens_right, token_relative_buckets
 from tests.helpers import tiny_inputs, tiny_model
 
 
@@ -56,7 +56,9 @@ def test_parity_with_official_implementation(reference_fixture, attn_implementat
     io = load_file(reference_fixture / "io.safetensors")
     with torch.no_grad():
         out = model(
-            input_ids=io["input_ids"], pixel_values=io["patch_images"], decoder_input_ids=io["decoder_input_ids"],
+            input_ids=io["input_ids"],
+            pixel_values=io["patch_images"],
+            decoder_input_ids=io["decoder_input_ids"],
             output_hidden_states=True,
         )
         encoder = model.get_encoder()(input_ids=io["input_ids"], pixel_values=io["patch_images"])
@@ -73,8 +75,13 @@ def test_parity_with_official_implementation(reference_fixture, attn_implementat
 
     # The reference decodes 8 greedy steps without an EOS stop.
     generated = model.generate(
-        input_ids=io["input_ids"], pixel_values=io["patch_images"], max_new_tokens=8, do_sample=False,
-        forced_eos_token_id=None, output_logits=True, return_dict_in_generate=True,
+        input_ids=io["input_ids"],
+        pixel_values=io["patch_images"],
+        max_new_tokens=8,
+        do_sample=False,
+        forced_eos_token_id=None,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     assert generated.sequences[:, 1:].tolist() == io["greedy_tokens"].tolist()
     torch.testing.assert_close(torch.stack(generated.logits, dim=1), io["greedy_step_logits"], atol=1e-4, rtol=1e-4)
@@ -155,7 +162,9 @@ def test_cache_step_equals_full_prefix_logits():
         full = model(**inputs, decoder_input_ids=decoder_input_ids, use_cache=False).logits
         first = model(**inputs, decoder_input_ids=decoder_input_ids[:, :3], use_cache=True)
         rest = model(
-            **inputs, decoder_input_ids=decoder_input_ids[:, 3:], past_key_values=first.past_key_values,
+            **inputs,
+            decoder_input_ids=decoder_input_ids[:, 3:],
+            past_key_values=first.past_key_values,
             use_cache=True,
         )
     torch.testing.assert_close(torch.cat([first.logits, rest.logits], dim=1), full, atol=1e-5, rtol=1e-5)
@@ -176,7 +185,10 @@ def test_left_and_right_padding_give_the_unpadded_result():
         reference = model(input_ids=ids, pixel_values=pixel_values, decoder_input_ids=decoder_input_ids).logits
         for padded_ids, mask in padded.values():
             logits = model(
-                input_ids=padded_ids, attention_mask=mask, pixel_values=pixel_values, decoder_input_ids=decoder_input_ids
+                input_ids=padded_ids,
+                attention_mask=mask,
+                pixel_values=pixel_values,
+                decoder_input_ids=decoder_input_ids,
             ).logits
             torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-5)
 
@@ -190,7 +202,9 @@ def test_decomposed_encoder_runs_each_modality_on_its_own():
         text_only = model.encoder(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
         model.config.decompose_encoder_modalities = False
         fused = model.encoder(**inputs).last_hidden_state
-    torch.testing.assert_close(joint_streams, torch.cat([image_only, text_only.last_hidden_state], 1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        joint_streams, torch.cat([image_only, text_only.last_hidden_state], 1), atol=1e-5, rtol=0
+    )
     assert not torch.allclose(joint_streams, fused, atol=1e-3)  # the fused encoder attends across modalities
 
 
@@ -276,3 +290,15 @@ def test_bad_forward_inputs_are_clear_errors():
         model(**{**inputs, "pixel_values": torch.zeros(2, 3, 16 * 43, 16)}, decoder_input_ids=inputs["input_ids"])
     with pytest.raises(ValueError, match="decoder_input_ids"):
         model(**inputs)
+
+
+def test_layerdrop_skips_the_same_layers_in_both_encoder_streams():
+    model = tiny_model(decompose_encoder_modalities=True, encoder_layerdrop=0.5, decoder_layerdrop=0.5).train()
+    inputs = tiny_inputs()
+    depths = set()
+    for seed in range(6):
+        torch.manual_seed(seed)
+        out = model(**inputs, labels=torch.tensor([[5, 2], [7, 2]]), output_hidden_states=True)
+        assert torch.isfinite(out.loss)
+        depths.add(len(out.encoder_hidden_states))
+    assert len(depths) > 1  # layers were really dropped, and the two streams always agreed on which

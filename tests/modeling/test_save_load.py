@@ -55,7 +55,18 @@ def test_remote_code_loads_without_the_package(tmp_path):
     torch.save(inputs, tmp_path / "inputs.pt")
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     subprocess.run(
-        [sys.executable, "-c", SUBPROCESS, str(tmp_path / "model"), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
-        check=True, env=environment, cwd=tmp_path, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            SUBPROCESS,
+            str(tmp_path / "model"),
+            str(tmp_path / "inputs.pt"),
+            str(tmp_path / "out.pt"),
+        ],
+        check=True,
+        env=environment,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     assert torch.equal(torch.load(tmp_path / "out.pt"), model.generate(**inputs, **GENERATE))

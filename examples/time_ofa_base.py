@@ -1,0 +1,80 @@
+"""Wall-clock of an OFA-base-size model on this machine, in the setting of the official port's reference table
+(../shared/reference/ofa.md): random weights, float32, batch 1, 2 threads, an 8-token prompt, 16 new tokens.
+
+    python examples/time_ofa_base.py [--image-size 384] [--repeats 3]
+
+Prints one JSON object (median seconds of each measurement).
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
+
+
+def median_seconds(function, repeats: int) -> float:
+    function()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--image-size", type=int, default=384)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    config = OFAEarlyExitConfig.from_preset("base")
+    model = EarlyExitOFAForConditionalGeneration(config).eval()
+    model.set_attn_implementation(args.attn_implementation)
+    input_ids = torch.tensor([[0, 99, 473, 5, 2274, 6190, 116, 2]])
+    pixel_values = torch.randn(1, 3, args.image_size, args.image_size)
+    decoder_input_ids = torch.zeros(1, 1, dtype=torch.long)
+    generation = dict(max_new_tokens=16, min_new_tokens=16)
+
+    with torch.no_grad():
+        results = {
+            "stem": median_seconds(lambda: model.encoder.embed_images(pixel_values), args.repeats),
+            "encoder": median_seconds(lambda: model.encoder(input_ids, pixel_values=pixel_values), args.repeats),
+            "forward": median_seconds(
+                lambda: model(input_ids=input_ids, pixel_values=pixel_values, decoder_input_ids=decoder_input_ids),
+                args.repeats,
+            ),
+        }
+        for name, settings in {
+            "greedy_cache": dict(num_beams=1),
+            "beam5_cache": dict(num_beams=5),
+            "greedy_no_cache": dict(num_beams=1, use_cache=False),
+        }.items():
+            results[name] = median_seconds(
+                lambda s=settings: model.generate(input_ids=input_ids, pixel_values=pixel_values, **generation, **s),
+                args.repeats,
+            )
+    print(
+        json.dumps(
+            {
+                "model": "OFA-base (random weights)",
+                "parameters_m": round(model.num_parameters() / 1e6, 1),
+                "image_size": args.image_size,
+                "threads": args.threads,
+                "attn_implementation": args.attn_implementation,
+                "seconds": {key: round(value, 3) for key, value in results.items()},
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
