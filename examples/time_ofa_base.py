@@ -1,7 +1,7 @@
 """Wall-clock of an OFA-base-size model on this machine, in the setting of the official port's reference table
 (../shared/reference/ofa.md): random weights, float32, batch 1, 2 threads, an 8-token prompt, 16 new tokens.
 
-    python examples/time_ofa_base.py [--image-size 384] [--repeats 3]
+    python examples/time_ofa_base.py [--image-size 384] [--repeats 3] [--device cuda --dtype bfloat16]
 
 Prints one JSON object (median seconds of each measurement).
 """
@@ -16,12 +16,16 @@ import torch
 from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 
 
-def median_seconds(function, repeats: int) -> float:
+def median_seconds(function, repeats: int, device: torch.device) -> float:
     function()  # warm-up
     times = []
     for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         function()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -32,25 +36,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     config = OFAEarlyExitConfig.from_preset("base")
-    model = EarlyExitOFAForConditionalGeneration(config).eval()
+    model = EarlyExitOFAForConditionalGeneration(config).eval().to(device, dtype)
     model.set_attn_implementation(args.attn_implementation)
-    input_ids = torch.tensor([[0, 99, 473, 5, 2274, 6190, 116, 2]])
-    pixel_values = torch.randn(1, 3, args.image_size, args.image_size)
-    decoder_input_ids = torch.zeros(1, 1, dtype=torch.long)
+    input_ids = torch.tensor([[0, 99, 473, 5, 2274, 6190, 116, 2]], device=device)
+    pixel_values = torch.randn(1, 3, args.image_size, args.image_size, device=device, dtype=dtype)
+    decoder_input_ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     generation = dict(max_new_tokens=16, min_new_tokens=16)
 
     with torch.no_grad():
         results = {
-            "stem": median_seconds(lambda: model.encoder.embed_images(pixel_values), args.repeats),
-            "encoder": median_seconds(lambda: model.encoder(input_ids, pixel_values=pixel_values), args.repeats),
+            "stem": median_seconds(lambda: model.encoder.embed_images(pixel_values), args.repeats, device),
+            "encoder": median_seconds(
+                lambda: model.encoder(input_ids, pixel_values=pixel_values), args.repeats, device
+            ),
             "forward": median_seconds(
                 lambda: model(input_ids=input_ids, pixel_values=pixel_values, decoder_input_ids=decoder_input_ids),
                 args.repeats,
+                device,
             ),
         }
         for name, settings in {
@@ -61,6 +71,7 @@ def main() -> None:
             results[name] = median_seconds(
                 lambda s=settings: model.generate(input_ids=input_ids, pixel_values=pixel_values, **generation, **s),
                 args.repeats,
+                device,
             )
     print(
         json.dumps(
@@ -70,6 +81,8 @@ def main() -> None:
                 "image_size": args.image_size,
                 "threads": args.threads,
                 "attn_implementation": args.attn_implementation,
+                "device": str(device),
+                "dtype": args.dtype,
                 "seconds": {key: round(value, 3) for key, value in results.items()},
             }
         )
