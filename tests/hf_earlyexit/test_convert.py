@@ -139,3 +139,13 @@ def test_pickle_with_arbitrary_objects_is_refused(tmp_path):
 def test_missing_source_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="No checkpoint"):
         convert_checkpoint(tmp_path / "nowhere", tmp_path / "out")
+
+
+def test_port_pytorch_model_bin_is_read_with_weights_only(reference_fixture, tmp_path):
+    source = tmp_path / "port_bin"
+    source.mkdir()
+    shutil.copy(reference_fixture / "config.json", source / "config.json")
+    torch.save(load_file(reference_fixture / "model.safetensors"), source / "pytorch_model.bin")
+    model = convert_checkpoint(source, tmp_path / "converted")
+    logits, official = reference_logits(model, reference_fixture)
+    torch.testing.assert_close(logits, official, atol=1e-4, rtol=1e-4)

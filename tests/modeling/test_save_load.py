@@ -70,3 +70,48 @@ def test_remote_code_loads_without_the_package(tmp_path):
         text=True,
     )
     assert torch.equal(torch.load(tmp_path / "out.pt"), model.generate(**inputs, **GENERATE))
+
+
+PROCESSOR_SUBPROCESS = """
+import sys
+sys.modules["hf_earlyexit"] = None
+import torch
+from PIL import Image
+from transformers import AutoModel, AutoProcessor
+model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+processor = AutoProcessor.from_pretrained(sys.argv[1], trust_remote_code=True)
+assert type(processor).__module__.startswith("transformers_modules."), type(processor).__module__
+inputs = processor(images=Image.new("RGB", (50, 40), (10, 200, 30)), text=" what does the image describe?",
+                   return_tensors="pt")
+torch.save(model.generate(**inputs, max_new_tokens=5), sys.argv[2])
+"""
+
+
+def test_model_and_processor_folder_loads_as_remote_code_and_as_local_classes(tmp_path, bart_tokenizer_dir):
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    from hf_earlyexit import OFAImageProcessor, OFAProcessor
+
+    tokenizer = OFAProcessor.build_tokenizer(str(bart_tokenizer_dir))
+    model = tiny_model(vocab_size=len(tokenizer))
+    model.save_pretrained(tmp_path / "model")
+    OFAProcessor(OFAImageProcessor(size={"height": 64, "width": 64}), tokenizer).save_pretrained(tmp_path / "model")
+    assert {"processing_ofa.py", "processor_config.json", "tokenizer.json"} <= set(os.listdir(tmp_path / "model"))
+
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    subprocess.run(
+        [sys.executable, "-c", PROCESSOR_SUBPROCESS, str(tmp_path / "model"), str(tmp_path / "out.pt")],
+        check=True,
+        env=environment,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    processor = AutoProcessor.from_pretrained(tmp_path / "model")  # the package's classes, no remote code
+    assert isinstance(processor, OFAProcessor)
+    assert isinstance(AutoImageProcessor.from_pretrained(tmp_path / "model"), OFAImageProcessor)
+    inputs = processor(
+        images=Image.new("RGB", (50, 40), (10, 200, 30)), text=" what does the image describe?", return_tensors="pt"
+    )
+    assert torch.equal(torch.load(tmp_path / "out.pt"), model.generate(**inputs, max_new_tokens=5))
