@@ -1,0 +1,171 @@
+"""Exit controllers: their measures on hand-built states, schedules, patience, the OR-list, and bad input."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_earlyexit.modeling.exit_controllers import (
+    CALMSchedule,
+    ConfidenceExit,
+    ExitController,
+    ExitControllerList,
+    ExitState,
+    MuEOfficialSchedule,
+    MuEPaperSchedule,
+    PatienceExit,
+    SimilarityExit,
+    checked_decision,
+    make_controller,
+)
+
+
+def state(current, previous=None, logits=None, layer=1, step=0, rows=None, mask=None, max_steps=16):
+    previous = current if previous is None else previous
+    rows = torch.arange(current.shape[0]) if rows is None else rows
+    return ExitState(
+        part="decoder",
+        layer=layer,
+        step=step,
+        hidden_states=current,
+        previous_hidden_states=previous,
+        rows=rows,
+        num_layers=6,
+        max_steps=max_steps,
+        attention_mask=mask,
+        logits_fn=(lambda: logits) if logits is not None else None,
+    )
+
+
+def test_similarity_is_per_row_cosine_over_real_tokens():
+    torch.manual_seed(0)
+    previous = torch.randn(3, 4, 8)
+    current = previous.clone()
+    current[1] = -previous[1]  # row 1 flips: cosine -1
+    current[2, 3] = torch.randn(8) * 100  # row 2 differs only at a pad position
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]])
+    controller = SimilarityExit(0.99)
+    assert controller.score(state(current, previous, mask=mask)).tolist() == pytest.approx([1.0, -1.0, 1.0], abs=1e-6)
+    assert controller(state(current, previous, mask=mask)).tolist() == [True, False, True]
+
+
+def test_similarity_batch_reduction_is_one_decision_like_the_official_code():
+    torch.manual_seed(0)
+    previous = torch.randn(2, 3, 8)
+    current = previous + 0.01 * torch.randn(2, 3, 8)
+    current[1] = -previous[1]
+    expected = F.cosine_similarity(current.reshape(1, -1), previous.reshape(1, -1)).item()
+    scores = SimilarityExit(0.5, reduction="batch").score(state(current, previous))
+    assert scores.tolist() == pytest.approx([expected, expected])
+
+
+@pytest.mark.parametrize(
+    ("measure", "expected"),
+    [
+        ("max_probability", [0.7, 0.25]),
+        ("margin", [0.5, 0.0]),
+        ("entropy", None),
+    ],
+)
+def test_confidence_measures(measure, expected):
+    probabilities = torch.tensor([[0.7, 0.2, 0.05, 0.05], [0.25, 0.25, 0.25, 0.25]])
+    scores = ConfidenceExit(0.5, measure=measure).score(state(torch.zeros(2, 1, 4), logits=probabilities.log()))
+    if expected is None:
+        entropy = -(probabilities[0] * probabilities[0].log()).sum().item()
+        expected = [1 - entropy / math.log(4), 0.0]
+    assert scores.tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_threshold_one_never_exits():
+    one_hot = torch.tensor([[0.0, 100.0]])
+    assert not ConfidenceExit(1.0)(state(torch.zeros(1, 1, 2), logits=one_hot)).any()
+    assert not SimilarityExit(1.0)(state(torch.ones(1, 2, 4))).any()
+
+
+def test_logits_are_computed_once_and_only_when_asked():
+    calls = []
+    exit_state = state(torch.ones(1, 1, 4))
+    exit_state.logits_fn = lambda: calls.append(1) or torch.tensor([[3.0, 0.0]])
+    SimilarityExit(0.5)(exit_state)
+    assert calls == []
+    ExitControllerList([ConfidenceExit(0.5), PatienceExit(1)])(exit_state)
+    assert calls == [1]
+
+
+def test_schedules_follow_their_formulas():
+    paper = MuEPaperSchedule(0.9, beta=0.8, tau=2.0)
+    assert paper(5, 16) == pytest.approx(0.8 * 0.9 + 0.2 * math.exp(-5 / 32))
+    official = MuEOfficialSchedule(0.9)  # the caption example of reference/mue_official.md
+    assert [official(s, 16) for s in (0, 5)] == [1.0, 1.0]
+    assert official(6, 16) == pytest.approx(0.876, abs=1e-3) and official(16, 16) == pytest.approx(0.847, abs=1e-3)
+    calm = CALMSchedule(0.9, tau=4.0)
+    assert calm(0, 16) == pytest.approx(0.91) and calm(16, 16) == pytest.approx(0.81 + 0.1 * math.exp(-4))
+
+
+def test_scheduled_threshold_changes_the_decision_over_steps():
+    controller = SimilarityExit(0.9, schedule="mue_official")
+    previous = torch.ones(1, 1, 4)
+    current = previous + torch.tensor([0.0, 0.0, 0.0, 0.8])  # cosine ~0.96
+    assert not controller(state(current, previous, step=0)).any()
+    assert controller(state(current, previous, step=10)).all()
+
+
+def test_patience_counts_unchanged_predictions_per_row_and_restarts_each_token():
+    controller = PatienceExit(patience=2)
+    a, b = torch.tensor([5.0, 0.0, 0.0]), torch.tensor([0.0, 5.0, 0.0])
+    hidden = torch.zeros(2, 1, 3)
+    decisions = [
+        controller(state(hidden, logits=torch.stack([a, a]), layer=1)),
+        controller(state(hidden, logits=torch.stack([a, b]), layer=2)),
+        controller(state(hidden[:1], logits=torch.stack([b]), layer=3, rows=torch.tensor([1]))),
+        controller(state(hidden, logits=torch.stack([a, a]), layer=1, step=1)),
+    ]
+    assert [d.tolist() for d in decisions] == [[False, False], [True, False], [True], [False, False]]
+
+
+def test_controller_list_stops_when_any_member_does():
+    class Never(ExitController):
+        def __call__(self, exit_state):
+            return torch.zeros(exit_state.rows.shape[0], dtype=torch.bool)
+
+    class OnlyRowZero(ExitController):
+        def __call__(self, exit_state):
+            return exit_state.rows == 0
+
+    assert ExitControllerList([Never(), OnlyRowZero()])(state(torch.ones(3, 1, 2))).tolist() == [True, False, False]
+
+
+def test_a_user_controller_with_the_wrong_shape_is_named_in_the_error():
+    class Broken(ExitController):
+        def __call__(self, exit_state):
+            return torch.tensor(True)
+
+    exit_state = state(torch.ones(3, 1, 2))
+    with pytest.raises(ValueError, match=r"exit_controller.*Broken.*shape \(3,\)"):
+        checked_decision(Broken()(exit_state), exit_state, Broken())
+    with pytest.raises(ValueError, match="exit_controller"):
+        ExitControllerList([Broken()])(exit_state)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: make_controller("similarity", 1.5), "exit_threshold"),
+        (lambda: make_controller("confidence", -0.1), "exit_threshold"),
+        (lambda: make_controller("loudness", 0.5), "exit_policy"),
+        (lambda: make_controller("similarity", 0.5, schedule="sometimes"), "exit_threshold_schedule"),
+        (lambda: make_controller("similarity", 0.5, reduction="token"), "reduction"),
+        (lambda: make_controller("confidence", 0.5, measure="vibes"), "measure"),
+        (lambda: make_controller("patience", patience=0), "patience"),
+    ],
+)
+def test_bad_knobs_raise_value_errors_naming_them(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_base_controller_must_be_implemented():
+    with pytest.raises(NotImplementedError):
+        ExitController()(state(torch.ones(1, 1, 2)))
+    with pytest.raises(ValueError, match="No exit head"):
+        ConfidenceExit(0.5)(state(torch.ones(1, 1, 2)))
