@@ -1,8 +1,23 @@
-"""Tiny models for fast tests."""
+"""Test helpers: the ../shared reference files and tiny models."""
 
+import os
+from pathlib import Path
+
+import pytest
 import torch
 
 from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("HF_EARLYEXIT_SHARED", REPO.parent / "shared"))
+
+
+def shared_path(*parts: str) -> Path:
+    """A file or folder under ../shared (or $HF_EARLYEXIT_SHARED); the test is skipped when it is absent."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} is absent: the project's shared/ folder (or $HF_EARLYEXIT_SHARED) is not beside the repo")
+    return path
 
 
 def tiny_config(**overrides) -> OFAEarlyExitConfig:

@@ -1,50 +1,20 @@
 """Tests for `modeling/processing_ofa.py`: OFA image preprocessing, tokenization and remote-code round trips."""
 
-import importlib.util
-import os
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor, add_ofa_special_tokens
 from PIL import Image
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-try:
-    from hf_earlyexit.modeling import processing_ofa
-except ImportError:
-    # The package is not installed (yet): load the file itself. It must be registered in `sys.modules` under a
-    # plain module name so that `save_pretrained` can find and copy its source as remote code.
-    processing_ofa = sys.modules.get("processing_ofa")
-    if processing_ofa is None:
-        _spec = importlib.util.spec_from_file_location("processing_ofa", REPO_ROOT / "modeling" / "processing_ofa.py")
-        processing_ofa = importlib.util.module_from_spec(_spec)
-        sys.modules["processing_ofa"] = processing_ofa
-        _spec.loader.exec_module(processing_ofa)
-
-OFAImageProcessor = processing_ofa.OFAImageProcessor
-OFAProcessor = processing_ofa.OFAProcessor
-add_ofa_special_tokens = processing_ofa.add_ofa_special_tokens
+from tests.helpers import shared_path
 
 CAPTION_PROMPT = " what does the image describe?"
 CAPTION_PROMPT_IDS = [0, 99, 473, 5, 2274, 6190, 116, 2]
 
 
-def _shared_dir() -> Path:
-    env = os.environ.get("HF_EARLYEXIT_SHARED")
-    return Path(env) if env else REPO_ROOT.parent / "shared"
-
-
-BART_DIR = _shared_dir() / "reference" / "bart_tokenizer"
-
-
 def _require_bart_files() -> str:
     """Path of the official BART tokenizer files; skips the test when they are not available."""
-    if not (BART_DIR / "vocab.json").is_file() or not (BART_DIR / "merges.txt").is_file():
-        pytest.skip(f"BART tokenizer files not found in {BART_DIR} (set HF_EARLYEXIT_SHARED to the shared folder)")
-    return str(BART_DIR)
+    return str(shared_path("reference", "bart_tokenizer"))
 
 
 def _reference_pixels(image: Image.Image, height: int = 384, width: int = 384) -> np.ndarray:
