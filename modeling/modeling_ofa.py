@@ -695,12 +695,13 @@ class OFADecoder(nn.Module):
         masked = (keys[None, :] > keys[past:, None])[None, None]  # causal: [1, 1, q, past + q]
         if attention_mask is not None:
             masked = masked | attention_mask.eq(0)[:, None, None, :]
+        # Masked once here, as in the encoder; the relative biases added per layer keep them at ~finfo.min.
+        self_absolute = self_absolute.masked_fill(masked, torch.finfo(self_absolute.dtype).min)
 
         states, self_attentions, cross_attentions = [hidden_states], [], []
         for idx in layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training):
             layer = self.layers[idx]
             self_bias = self_absolute + self.token_rel_pos_table_list[idx](buckets).permute(0, 3, 1, 2)
-            self_bias = self_bias.masked_fill(masked, torch.finfo(self_bias.dtype).min)
             hidden_states, self_weights, cross_weights = layer(
                 hidden_states,
                 self_bias,
