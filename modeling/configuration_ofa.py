@@ -9,6 +9,8 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
+from .generation_early_exit import EXIT_KNOBS, check_scalar_knobs
+
 # Bottleneck blocks in ResNet stages 1..3 (OFA drops stage 4 and reads stage 3's 1024 channels).
 RESNET_LAYERS = {"resnet50": (3, 4, 6), "resnet101": (3, 4, 23), "resnet152": (3, 8, 36)}
 # A light stem for small models (two strided convolutions, stride 16 like the ResNets); not an OFA stem.
@@ -109,6 +111,17 @@ class OFAEarlyExitConfig(PreTrainedConfig):
             through the shared layers (no cross-modal attention) and are concatenated before the final LayerNorm.
         decomposed_image_relative_bias: with a decomposed encoder, add the image relative bias to the image stream.
             False reproduces the official MuE code, whose image stream uses the absolute bias only.
+
+    Early-exit defaults (every one can be overridden per `generate` call, or in the generation config):
+        exit_threshold: decoder exit threshold; None = no decoder exits (the full model).
+        exit_policy: "similarity" (MuE: cosine of a layer's output and input), "confidence" (max probability of
+            the exit head) or "patience" (the exit head's argmax unchanged for `exit_threshold` layers).
+        exit_threshold_schedule: "constant", "mue_decay" (the paper's), "mue_official" (the official code's) or
+            "calm_decay": how the decoder threshold moves over the decoding steps.
+        encoder_exit_threshold: cosine-similarity exit of the joint encoder; None = full depth.
+        encoder_image_exit_threshold / encoder_text_exit_threshold: the same per stream of a decomposed encoder.
+        kv_strategy: what skipped decoder layers get in the cache: "propagate", "copy" or "recompute".
+        min_exit_layer: the first decoder layer (1-based) a token may exit after.
     """
 
     model_type = "ofa_early_exit"
@@ -155,6 +168,14 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     tie_word_embeddings: bool = True
     decompose_encoder_modalities: bool = False
     decomposed_image_relative_bias: bool = False
+    exit_threshold: float | None = None
+    exit_policy: str = "similarity"
+    exit_threshold_schedule: str = "constant"
+    encoder_exit_threshold: float | None = None
+    encoder_image_exit_threshold: float | None = None
+    encoder_text_exit_threshold: float | None = None
+    kv_strategy: str = "propagate"
+    min_exit_layer: int = 1
 
     use_cache: bool = True
     is_encoder_decoder: bool = True
@@ -167,6 +188,7 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         # Check here too: `@strict` wraps validator errors in its own (non-ValueError) exception type.
         self.validate_architecture()
+        check_scalar_knobs({name: getattr(self, name, default) for name, default in EXIT_KNOBS.items()}, self)
         super().__post_init__(**kwargs)
 
     @classmethod

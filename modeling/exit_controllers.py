@@ -283,17 +283,44 @@ def checked_decision(decision: torch.Tensor, state: ExitState, controller: ExitC
 
 
 POLICIES = {"similarity": SimilarityExit, "confidence": ConfidenceExit}
+POLICY_NAMES = [*POLICIES, "patience"]
 
 
 def make_controller(
     policy: str = "similarity", threshold: float | ThresholdSchedule = 1.0, schedule: str = "constant", **options
 ) -> ExitController:
-    """The controller `generate` builds from its knobs: `exit_policy`, `exit_threshold`, `exit_threshold_schedule`."""
+    """The controller `generate` builds from its knobs: `exit_policy`, `exit_threshold`, `exit_threshold_schedule`.
+
+    For the patience policy, `exit_threshold` is the patience: how many layers in a row must agree.
+    """
+    if policy not in POLICY_NAMES:
+        raise ValueError(f"Unknown `exit_policy` {policy!r}; choose one of {POLICY_NAMES}.")
     if policy == "patience":
-        return PatienceExit(**options)
-    if policy not in POLICIES:
-        raise ValueError(f"Unknown `exit_policy` {policy!r}; choose one of {[*POLICIES, 'patience']}.")
+        if isinstance(threshold, bool) or not float(threshold).is_integer():
+            raise ValueError(f"`exit_threshold` of the patience policy is a layer count, got {threshold!r}.")
+        return PatienceExit(int(threshold), **options)
     return POLICIES[policy](threshold, schedule, **options)
+
+
+class FixedLayerExit(ExitController):
+    """Stop every row after a fixed number of layers: an exit budget, and the forced exit of benchmarks and tests.
+
+    `layer` is an int, or a callable `(state) -> LongTensor[rows]` giving each active row its exit layer (e.g. by
+    step and row, for mixed exit patterns).
+    """
+
+    def __init__(self, layer: int | Callable[[ExitState], torch.Tensor]):
+        if not callable(layer) and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 1):
+            raise ValueError(f"`layer` must be a positive int or a callable, got {layer!r}.")
+        self.layer = layer
+
+    def __call__(self, state: ExitState) -> torch.BoolTensor:
+        target = self.layer(state) if callable(self.layer) else self.layer
+        target = torch.as_tensor(target, device=state.hidden_states.device).expand(state.rows.shape[0])
+        return target <= state.layer
+
+    def __repr__(self) -> str:
+        return f"FixedLayerExit({self.layer!r})"
 
 
 __all__ = [
@@ -303,6 +330,7 @@ __all__ = [
     "ConfidenceExit",
     "PatienceExit",
     "ExitControllerList",
+    "FixedLayerExit",
     "ThresholdSchedule",
     "ConstantSchedule",
     "MuEPaperSchedule",
@@ -310,4 +338,5 @@ __all__ = [
     "CALMSchedule",
     "make_controller",
     "make_schedule",
+    "POLICY_NAMES",
 ]

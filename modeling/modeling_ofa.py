@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
@@ -27,6 +27,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, ModelOutput, Seq2SeqLMOutput
 
 from .configuration_ofa import PATCH_STEM, RESNET_LAYERS, OFAEarlyExitConfig
+from .early_exit_cache import EarlyExitCache
+from .exit_controllers import ExitController, ExitState, checked_decision
+from .generation_early_exit import EXIT_KNOBS, EarlyExitGenerationMixin, EarlyExitSettings
 
 # ---------------------------------------------------------------------------------------------------------------
 # Positions
@@ -94,6 +97,13 @@ def layers_to_run(count: int, layerdrop: float, training: bool) -> list[int]:
     if not training or layerdrop == 0.0:
         return list(range(count))
     return [i for i in range(count) if torch.rand(()).item() >= layerdrop]
+
+
+def select_rows(tensor: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor | None:
+    """The kept rows of a per-row tensor; tensors with a broadcast batch of 1 (or None) pass through."""
+    if tensor is None or tensor.shape[0] == 1:
+        return tensor
+    return tensor[keep]
 
 
 class DropPath(nn.Module):
@@ -197,6 +207,26 @@ class OFAPatchStem(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class ActiveRows:
+    """The rows of the batch a layer runs on: their indices, and the contiguous runs they form so that attention
+    reads each run's cached K/V as a view instead of gathering them (at batch > 1 the cross-attention K/V are as
+    large as a layer's weights; copying them would eat the time the exit saves)."""
+
+    index: torch.Tensor  # [rows], ascending
+    runs: list[tuple[int, int]]  # [start, end) in the batch
+
+    @classmethod
+    def of(cls, index: torch.Tensor) -> "ActiveRows":
+        runs: list[list[int]] = []
+        for row in index.tolist():
+            if runs and runs[-1][1] == row:
+                runs[-1][1] += 1
+            else:
+                runs.append([row, row + 1])
+        return cls(index, [(start, end) for start, end in runs])
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -206,12 +236,31 @@ def attention(
     dropout: float,
     implementation: str,
     output_attentions: bool,
+    rows: ActiveRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """softmax(q k^T * scaling + bias) v on [batch, heads, length, head_dim]; `bias` already holds the masks.
 
     The bias is a float tensor (positions plus masks), so SDPA gets it as `attn_mask` with the OFA scale; the
-    default SDPA scale would be wrong.
+    default SDPA scale would be wrong. With `rows`, the query covers only those rows of the batch of `key`/`value`.
     """
+    if rows is not None:
+        outputs, offset = [], 0
+        for start, end in rows.runs:
+            size = end - start
+            run_bias = bias if bias.shape[0] == 1 else bias[offset : offset + size]
+            out, _ = attention(
+                query[offset : offset + size],
+                key[start:end],
+                value[start:end],
+                run_bias,
+                scaling,
+                dropout,
+                implementation,
+                False,
+            )
+            outputs.append(out)
+            offset += size
+        return torch.cat(outputs), None
     if implementation == "sdpa" and not output_attentions:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
         return out, None
@@ -222,16 +271,17 @@ def attention(
 
 
 class OFAAttention(nn.Module):
-    """Multi-head attention with an additive bias and NormFormer's per-head output scale `c_attn`."""
+    """Multi-head attention with an additive bias and NormFormer's per-head output scale `c_attn`.
 
-    def __init__(self, config: OFAEarlyExitConfig, num_heads: int, layer_idx: int, is_cross_attention: bool = False):
+    The caller projects (`project_kv`) and caches the keys and values; `forward` attends with them.
+    """
+
+    def __init__(self, config: OFAEarlyExitConfig, num_heads: int):
         super().__init__()
         self.config = config
         self.num_heads = num_heads
         self.head_dim = config.d_model // num_heads
         self.scaling = (self.head_dim * config.attn_scale_factor) ** -0.5
-        self.layer_idx = layer_idx
-        self.is_cross_attention = is_cross_attention
         self.dropout = config.attention_dropout
         self.k_proj = nn.Linear(config.d_model, config.d_model)
         self.v_proj = nn.Linear(config.d_model, config.d_model)
@@ -239,28 +289,20 @@ class OFAAttention(nn.Module):
         self.out_proj = nn.Linear(config.d_model, config.d_model)
         self.c_attn = nn.Parameter(torch.ones(num_heads)) if config.normformer else None
 
+    def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[batch, length, d_model] -> keys, values [batch, heads, length, head_dim]."""
+        return split_heads(self.k_proj(source), self.num_heads), split_heads(self.v_proj(source), self.num_heads)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
         bias: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        past_key_values: EncoderDecoderCache | None = None,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rows: ActiveRows | None = None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         query = split_heads(self.q_proj(hidden_states), self.num_heads)
-        source = key_value_states if self.is_cross_attention else hidden_states
-        if self.is_cross_attention and past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
-            layer_cache = past_key_values.cross_attention_cache.layers[self.layer_idx]
-            key, value = layer_cache.keys, layer_cache.values
-        else:
-            key = split_heads(self.k_proj(source), self.num_heads)
-            value = split_heads(self.v_proj(source), self.num_heads)
-            if past_key_values is not None and self.is_cross_attention:
-                key, value = past_key_values.cross_attention_cache.update(key, value, self.layer_idx)
-                past_key_values.is_updated[self.layer_idx] = True
-            elif past_key_values is not None:
-                key, value = past_key_values.self_attention_cache.update(key, value, self.layer_idx)
-
         out, weights = attention(
             query,
             key,
@@ -270,6 +312,7 @@ class OFAAttention(nn.Module):
             self.dropout if self.training else 0.0,
             self.config._attn_implementation,
             output_attentions,
+            rows,
         )
         if self.c_attn is not None:
             out = out * self.c_attn[None, :, None, None]
@@ -285,7 +328,8 @@ class OFAEncoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: OFAEarlyExitConfig, layer_idx: int, drop_path_rate: float, num_heads: int, ffn_dim: int):
         super().__init__()
-        self.self_attn = OFAAttention(config, num_heads, layer_idx)
+        self.layer_idx = layer_idx
+        self.self_attn = OFAAttention(config, num_heads)
         self.self_attn_layer_norm = nn.LayerNorm(config.d_model)
         self.self_attn_mid_layer_norm = optional_layer_norm(config.normformer, config.d_model)
         self.final_layer_norm = nn.LayerNorm(config.d_model)
@@ -307,9 +351,8 @@ class OFAEncoderLayer(GradientCheckpointingLayer):
     def forward(
         self, hidden_states: torch.Tensor, bias: torch.Tensor, output_attentions: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attn, weights = self.self_attn(
-            self.self_attn_layer_norm(hidden_states), bias, output_attentions=output_attentions
-        )
+        x = self.self_attn_layer_norm(hidden_states)
+        attn, weights = self.self_attn(x, bias, *self.self_attn.project_kv(x), output_attentions=output_attentions)
         hidden_states = self.residual(hidden_states, self.self_attn_mid_layer_norm(attn))
         return self.feed_forward(hidden_states), weights
 
@@ -319,9 +362,28 @@ class OFADecoderLayer(OFAEncoderLayer):
 
     def __init__(self, config: OFAEarlyExitConfig, layer_idx: int, drop_path_rate: float):
         super().__init__(config, layer_idx, drop_path_rate, config.decoder_attention_heads, config.decoder_ffn_dim)
-        self.cross_attn = OFAAttention(config, config.decoder_attention_heads, layer_idx, is_cross_attention=True)
+        self.cross_attn = OFAAttention(config, config.decoder_attention_heads)
         self.cross_attn_layer_norm = nn.LayerNorm(config.d_model)
         self.cross_attn_mid_layer_norm = optional_layer_norm(config.normformer, config.d_model)
+
+    def self_key_values(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's self-attention K/V of a hidden state (what `propagate` writes for skipped layers)."""
+        return self.self_attn.project_kv(self.self_attn_layer_norm(hidden_states))
+
+    def cross_key_values(
+        self, encoder_hidden_states: torch.Tensor, past_key_values: EncoderDecoderCache | None, rows: ActiveRows | None
+    ) -> tuple[torch.Tensor, torch.Tensor, ActiveRows | None]:
+        """Cross-attention K/V and the rows of them to attend with. Cached for the whole batch on first use (a
+        layer first reached at a later step fills its entry then); uncached, computed for the active rows only."""
+        if past_key_values is None:
+            source = encoder_hidden_states if rows is None else encoder_hidden_states[rows.index]
+            return *self.cross_attn.project_kv(source), None
+        if not past_key_values.is_updated.get(self.layer_idx):
+            key, value = self.cross_attn.project_kv(encoder_hidden_states)
+            past_key_values.cross_attention_cache.update(key, value, self.layer_idx)
+            past_key_values.is_updated[self.layer_idx] = True
+        layer_cache = past_key_values.cross_attention_cache.layers[self.layer_idx]
+        return layer_cache.keys, layer_cache.values, rows
 
     def forward(
         self,
@@ -330,22 +392,24 @@ class OFADecoderLayer(OFAEncoderLayer):
         encoder_hidden_states: torch.Tensor,
         cross_bias: torch.Tensor,
         past_key_values: EncoderDecoderCache | None = None,
+        rows: ActiveRows | None = None,
+        slots: slice | torch.Tensor | None = None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        attn, self_weights = self.self_attn(
-            self.self_attn_layer_norm(hidden_states),
-            self_bias,
-            past_key_values=past_key_values,
-            output_attentions=output_attentions,
-        )
+        """hidden_states [rows, q, d] of the batch `rows` (None: every row); with a cache, their K/V go to `slots`."""
+        x = self.self_attn_layer_norm(hidden_states)
+        key, value = self.self_attn.project_kv(x)
+        key_rows = None
+        if past_key_values is not None:
+            index = None if rows is None else rows.index
+            key, value = past_key_values.self_attention_cache.write(self.layer_idx, key, value, index, slots)
+            key_rows = rows
+        attn, self_weights = self.self_attn(x, self_bias, key, value, key_rows, output_attentions)
         hidden_states = self.residual(hidden_states, self.self_attn_mid_layer_norm(attn))
-        attn, cross_weights = self.cross_attn(
-            self.cross_attn_layer_norm(hidden_states),
-            cross_bias,
-            key_value_states=encoder_hidden_states,
-            past_key_values=past_key_values,
-            output_attentions=output_attentions,
-        )
+
+        x = self.cross_attn_layer_norm(hidden_states)
+        key, value, key_rows = self.cross_key_values(encoder_hidden_states, past_key_values, rows)
+        attn, cross_weights = self.cross_attn(x, cross_bias, key, value, key_rows, output_attentions)
         hidden_states = self.residual(hidden_states, self.cross_attn_mid_layer_norm(attn))
         return self.feed_forward(hidden_states), self_weights, cross_weights
 
@@ -367,6 +431,7 @@ class OFAEncoderOutput(ModelOutput):
     attentions: each layer's attention probabilities, if asked (joint encoder only).
     cross_position_keys: [batch, heads, S, head_dim], the decoder's `cross_pos_k_linear(position_embedding)`,
         filled by the decoder on its first no-grad call and reused at every later decoding step.
+    exit_layers: [batch, 2], encoder layers each row ran for (image, text); full depth without exits.
     """
 
     last_hidden_state: torch.FloatTensor | None = None
@@ -375,6 +440,7 @@ class OFAEncoderOutput(ModelOutput):
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     attentions: tuple[torch.FloatTensor, ...] | None = None
     cross_position_keys: torch.FloatTensor | None = None
+    exit_layers: torch.LongTensor | None = None
 
 
 def relative_tables(config: OFAEarlyExitConfig, num_layers: int, num_heads: int) -> tuple[nn.ModuleList, ...]:
@@ -496,30 +562,69 @@ class OFAEncoder(nn.Module):
         image_buckets: torch.Tensor | None,
         layers: list[int],
         output_attentions: bool,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The given layers over one sequence (joint, or one modality stream): per-layer states and attentions."""
+        controller: ExitController | None = None,
+        part: str = "encoder",
+        real_tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """The given layers over one sequence (joint, or one modality stream).
+
+        Returns the output per row [batch, S, d], each layer's states and attentions (meaningful without exits),
+        and the layers each row ran [batch]. With a `controller`, a row that stops leaves the batch and the layers
+        after run on the remaining rows only. `real_tokens` [batch, S] (True = not padding) is what the
+        controller compares.
+        """
+        batch = hidden_states.shape[0]
         states, attentions = [hidden_states], []
-        for idx in layers:
+        exit_layers = torch.full((batch,), len(layers), dtype=torch.long, device=hidden_states.device)
+        final, rows = None, torch.arange(batch, device=hidden_states.device)
+        for count, idx in enumerate(layers, start=1):
+            previous = hidden_states
             bias = self.layer_bias(idx, absolute, num_image, text_buckets, image_buckets)
             hidden_states, weights = self.layers[idx](hidden_states, bias, output_attentions)
             states.append(hidden_states)
             attentions.append(weights)
-        return states, attentions
+            if controller is None or count == len(layers):
+                continue
+            state = ExitState(part, count, 0, hidden_states, previous, rows, len(layers), attention_mask=real_tokens)
+            stop = checked_decision(controller(state), state, controller)
+            if not bool(stop.any()):
+                continue
+            if final is None:
+                final = torch.empty_like(states[0])
+            final[rows[stop]] = hidden_states[stop]
+            exit_layers[rows[stop]] = count
+            keep = ~stop
+            if not bool(keep.any()):
+                return final, states, attentions, exit_layers
+            rows, hidden_states, absolute = rows[keep], hidden_states[keep], select_rows(absolute, keep)
+            text_buckets, real_tokens = select_rows(text_buckets, keep), select_rows(real_tokens, keep)
+        if final is None:
+            return hidden_states, states, attentions, exit_layers
+        final[rows] = hidden_states
+        return final, states, attentions, exit_layers
 
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         pixel_values: torch.FloatTensor | None = None,
+        exit_settings: EarlyExitSettings | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         return_dict: bool = True,
     ) -> OFAEncoderOutput:
+        """`exit_settings` (optional) carries the exit controllers: `encoder` for the joint encoder, or
+        `encoder_image` / `encoder_text` for the streams of a decomposed one."""
         if input_ids is None and pixel_values is None:
             raise ValueError("The encoder needs `input_ids`, `pixel_values` or both.")
         decomposed = self.config.decompose_encoder_modalities
         if output_attentions and decomposed:
             raise ValueError("`output_attentions` is not available with `decompose_encoder_modalities=True`.")
+        controllers = {
+            part: getattr(exit_settings, part, None) for part in ("encoder", "encoder_image", "encoder_text")
+        }
+        if any(controllers.values()) and (output_attentions or output_hidden_states):
+            raise ValueError("`output_attentions` / `output_hidden_states` are not available with encoder exits.")
         parts, positions, paddings = [], [], []
         num_image = text_length = 0
         image_buckets = text_buckets = None
@@ -559,46 +664,74 @@ class OFAEncoder(nn.Module):
         # One LayerDrop draw per forward, so both streams of a decomposed encoder skip the same layers.
         layers = layers_to_run(len(self.layers), self.config.encoder_layerdrop, self.training)
         if not decomposed:
-            states, attentions = self.run_layers(
-                hidden_states, absolute, num_image, text_buckets, image_buckets, layers, output_attentions
+            final, states, attentions, exit_layers = self.run_layers(
+                hidden_states,
+                absolute,
+                num_image,
+                text_buckets,
+                image_buckets,
+                layers,
+                output_attentions,
+                controllers["encoder"],
+                "encoder",
+                ~padding,
+            )
+            # Both columns (image, text) hold the joint encoder's layers; a missing modality ran none.
+            exit_layers = exit_layers[:, None] * torch.tensor(
+                [bool(num_image), bool(text_length)], device=padding.device
             )
         else:
             # MuE: each modality attends only to itself; the streams meet in the decoder's cross-attention.
-            streams = []
-            if num_image:
-                image_rel = image_buckets if self.config.decomposed_image_relative_bias else None
-                streams.append(
-                    self.run_layers(
-                        hidden_states[:, :num_image],
-                        absolute[:, :, :num_image, :num_image],
-                        num_image,
-                        None,
-                        image_rel,
-                        layers,
-                        False,
-                    )
+            image_rel = image_buckets if self.config.decomposed_image_relative_bias else None
+            streams = [
+                self.run_layers(
+                    hidden_states[:, :num_image],
+                    absolute[:, :, :num_image, :num_image],
+                    num_image,
+                    None,
+                    image_rel,
+                    layers,
+                    False,
+                    controllers["encoder_image"],
+                    "encoder_image",
                 )
-            if text_length:
-                streams.append(
-                    self.run_layers(
-                        hidden_states[:, num_image:],
-                        absolute[:, :, num_image:, num_image:],
-                        0,
-                        text_buckets,
-                        None,
-                        layers,
-                        False,
-                    )
+                if num_image
+                else None,
+                self.run_layers(
+                    hidden_states[:, num_image:],
+                    absolute[:, :, num_image:, num_image:],
+                    0,
+                    text_buckets,
+                    None,
+                    layers,
+                    False,
+                    controllers["encoder_text"],
+                    "encoder_text",
+                    ~padding[:, num_image:],
                 )
-            states = [torch.cat(per_layer, dim=1) for per_layer in zip(*(s for s, _ in streams), strict=True)]
+                if text_length
+                else None,
+            ]
+            ran = [stream for stream in streams if stream is not None]
+            final = torch.cat([stream[0] for stream in ran], dim=1)
+            states = (
+                [torch.cat(per_layer, dim=1) for per_layer in zip(*(stream[1] for stream in ran), strict=True)]
+                if output_hidden_states
+                else []
+            )
             attentions = []
+            no_layers = torch.zeros(padding.shape[0], dtype=torch.long, device=padding.device)
+            exit_layers = torch.stack([no_layers if stream is None else stream[3] for stream in streams], dim=1)
+        if exit_settings is not None:
+            exit_settings.record.encoder = exit_layers
 
         return OFAEncoderOutput(
-            last_hidden_state=self.layer_norm(states[-1]),
+            last_hidden_state=self.layer_norm(final),
             padding_mask=padding,
             position_embedding=position_embedding,
             hidden_states=tuple(states) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,
+            exit_layers=exit_layers,
         )
 
 
@@ -648,74 +781,203 @@ class OFADecoder(nn.Module):
             encoder_outputs.cross_position_keys = keys
         return keys
 
+    def attention_biases(
+        self,
+        positions: torch.Tensor,
+        position_ids: torch.Tensor,
+        query_slots: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        encoder_outputs: OFAEncoderOutput,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Biases of queries at `query_slots` [R or 1, Q] (cache slots, i.e. indices into the T tokens so far).
+
+        positions [R or 1, T, d] (LayerNorm'd position embeddings), position_ids [R or 1, T], attention_mask
+        [R, T] or None, and `rows` the R batch rows of the encoder output (None: all). Returns the self-attention
+        absolute bias with the causal and padding masks [R or 1, heads, Q, T], the relative buckets [R or 1, Q, T]
+        and the cross-attention bias with the encoder padding mask [R, heads, Q, S].
+        """
+        count = max(positions.shape[0], query_slots.shape[0])
+        query_slots = query_slots.expand(count, -1)
+        query_positions = positions.expand(count, -1, -1).gather(
+            1, query_slots[..., None].expand(-1, -1, positions.shape[-1])
+        )  # [R or 1, Q, d]
+        query_ids = position_ids.expand(count, -1).gather(1, query_slots)
+        self_absolute = position_bias(
+            self.self_pos_q_linear, self.self_pos_k_linear, query_positions, positions, self.num_heads, self.pos_scaling
+        )
+        keys = torch.arange(positions.shape[1], device=positions.device)
+        masked = (keys[None, None, :] > query_slots[:, :, None])[:, None]  # causal: [R or 1, 1, Q, T]
+        if attention_mask is not None:
+            masked = masked | attention_mask.eq(0)[:, None, None, :]
+        # Masked once here; the relative biases added per layer keep them at ~finfo.min.
+        self_absolute = self_absolute.masked_fill(masked, torch.finfo(self_absolute.dtype).min)
+        buckets = token_relative_buckets(
+            query_ids[:, :, None] - position_ids[:, None, :],
+            self.config.token_bucket_size,
+            self.config.max_position_embeddings,
+        )
+
+        cross_keys, padding = self.cross_position_keys(encoder_outputs), encoder_outputs.padding_mask
+        if rows is not None:
+            cross_keys, padding = cross_keys[rows], padding[rows]
+        cross_bias = torch.matmul(
+            split_heads(self.cross_pos_q_linear(query_positions), self.num_heads) * self.pos_scaling,
+            cross_keys.transpose(-1, -2),
+        )
+        cross_bias = cross_bias.masked_fill(padding[:, None, None, :], torch.finfo(cross_bias.dtype).min)
+        return self_absolute, buckets, cross_bias
+
+    def exit_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits of the exit head for hidden states [..., d]: the shared final LayerNorm and output projection."""
+        return self.output_projection(self.layer_norm(hidden_states))
+
+    def catch_up(
+        self,
+        layer_idx: int,
+        rows: torch.Tensor,
+        past_key_values: EncoderDecoderCache,
+        positions: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        encoder_outputs: OFAEncoderOutput,
+    ) -> None:
+        """`kv_strategy="recompute"`: before this step's tokens of `rows` run layer `layer_idx`, run it on their
+        earlier tokens that exited below it, so that its keys and values are complete (DEED)."""
+        waiting = past_key_values.self_attention_cache.pending_inputs(layer_idx, rows)
+        if waiting is None:
+            return
+        rows, hidden_states, slots = waiting  # [R], [R, P, d], [R, P] (-1 = padding)
+        self_absolute, buckets, cross_bias = self.attention_biases(
+            select_rows(positions, rows),
+            select_rows(position_ids, rows),
+            slots.clamp(min=0),
+            select_rows(attention_mask, rows),
+            encoder_outputs,
+            rows,
+        )
+        self_bias = self_absolute + self.token_rel_pos_table_list[layer_idx](buckets).permute(0, 3, 1, 2)
+        hidden_states, _, _ = self.layers[layer_idx](
+            hidden_states,
+            self_bias,
+            encoder_outputs.last_hidden_state,
+            cross_bias,
+            past_key_values,
+            ActiveRows.of(rows),
+            slots,
+        )
+        past_key_values.self_attention_cache.advance(layer_idx, rows, slots, hidden_states)
+
     def forward(
         self,
         input_ids: torch.LongTensor,
         encoder_outputs: OFAEncoderOutput,
         attention_mask: torch.Tensor | None = None,
         past_key_values: EncoderDecoderCache | None = None,
+        exit_settings: EarlyExitSettings | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
     ) -> BaseModelOutputWithPastAndCrossAttentions:
         """Decode `input_ids` [batch, q], the newest q tokens after the `past_key_values` prefix.
 
         `attention_mask` (optional, [batch, past + q]) marks decoder pads; without it every token is attended.
+        With `exit_settings.decoder`, each row stops after the layer its controller picks (all q tokens of a row
+        together): it leaves the batch, the layers after run on the remaining rows only, and its output is its
+        exit layer's state. The cache then fills the skipped layers by `exit_settings.kv_strategy`.
         """
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
-        length = past + input_ids.shape[1]
+        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+        if self_cache is not None and not isinstance(self_cache, EarlyExitCache):
+            raise ValueError(
+                "The decoder's self-attention cache must be an EarlyExitCache (`EncoderDecoderCache(EarlyExitCache("
+                f"config), DynamicCache(config=config))`), got {type(self_cache).__name__}."
+            )
+        past = self_cache.get_seq_length() if self_cache is not None else 0
+        batch, length = input_ids.shape[0], past + input_ids.shape[1]
         if attention_mask is not None and attention_mask.shape[-1] != length:
             raise ValueError(
                 f"`decoder_attention_mask` must cover the cached and new tokens ({length}), "
                 f"got {attention_mask.shape[-1]}."
             )
-        position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, past + q]
-        query_ids = position_ids[:, past:]
+        controller = exit_settings.decoder if exit_settings is not None else None
+        if controller is not None and (output_attentions or output_hidden_states):
+            raise ValueError("`output_attentions` / `output_hidden_states` are not available with decoder exits.")
 
         hidden_states = self.embed_tokens(input_ids) * self.embed_scale
-        hidden_states = self.dropout(self.layernorm_embedding(hidden_states))
-
+        hidden_states = self.dropout(self.layernorm_embedding(hidden_states))  # [batch, q, d]
+        position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, past + q]
         positions = self.pos_ln(self.embed_positions(position_ids))
-        query_positions = positions[:, past:]
-        self_absolute = position_bias(
-            self.self_pos_q_linear, self.self_pos_k_linear, query_positions, positions, self.num_heads, self.pos_scaling
-        )  # [batch or 1, heads, q, past + q]
-        cross_bias = torch.matmul(
-            split_heads(self.cross_pos_q_linear(query_positions), self.num_heads) * self.pos_scaling,
-            self.cross_position_keys(encoder_outputs).transpose(-1, -2),
-        )  # [batch, heads, q, S]
-        cross_bias = cross_bias.masked_fill(
-            encoder_outputs.padding_mask[:, None, None, :], torch.finfo(cross_bias.dtype).min
-        )
-        buckets = token_relative_buckets(
-            query_ids[:, :, None] - position_ids[:, None, :],
-            self.config.token_bucket_size,
-            self.config.max_position_embeddings,
-        )  # [batch or 1, q, past + q]
-        keys = torch.arange(length, device=input_ids.device)
-        masked = (keys[None, :] > keys[past:, None])[None, None]  # causal: [1, 1, q, past + q]
-        if attention_mask is not None:
-            masked = masked | attention_mask.eq(0)[:, None, None, :]
-        # Masked once here, as in the encoder; the relative biases added per layer keep them at ~finfo.min.
-        self_absolute = self_absolute.masked_fill(masked, torch.finfo(self_absolute.dtype).min)
+        query_slots = torch.arange(past, length, device=input_ids.device)[None]
+        self_absolute, buckets, cross_bias = self.attention_biases(
+            positions, position_ids, query_slots, attention_mask, encoder_outputs
+        )  # [batch or 1, heads, q, past + q], [batch or 1, q, past + q], [batch, heads, q, S]
+        slots = self_cache.open_slots(hidden_states, self.num_heads) if self_cache is not None else None
 
+        layers = layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training)
+        exit_layers = torch.full((batch,), len(layers), dtype=torch.long, device=input_ids.device)
+        final, active = None, None  # active: the rows still running (None: all of them)
+        query_mask = attention_mask[:, past:] if attention_mask is not None else None
         states, self_attentions, cross_attentions = [hidden_states], [], []
-        for idx in layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training):
-            layer = self.layers[idx]
+        for count, idx in enumerate(layers, start=1):
+            if self_cache is not None and self_cache.frontier is not None:
+                rows = active.index if active is not None else torch.arange(batch, device=input_ids.device)
+                self.catch_up(idx, rows, past_key_values, positions, position_ids, attention_mask, encoder_outputs)
+            previous = hidden_states
             self_bias = self_absolute + self.token_rel_pos_table_list[idx](buckets).permute(0, 3, 1, 2)
-            hidden_states, self_weights, cross_weights = layer(
+            hidden_states, self_weights, cross_weights = self.layers[idx](
                 hidden_states,
                 self_bias,
                 encoder_outputs.last_hidden_state,
                 cross_bias,
                 past_key_values,
+                active,
+                slots,
                 output_attentions,
             )
             states.append(hidden_states)
             self_attentions.append(self_weights)
             cross_attentions.append(cross_weights)
+            if controller is None or count < exit_settings.min_exit_layer or count == len(layers):
+                continue
+
+            rows = active.index if active is not None else torch.arange(batch, device=input_ids.device)
+            state = ExitState(
+                "decoder",
+                count,
+                len(exit_settings.record.decoder_steps),
+                hidden_states,
+                previous,
+                rows,
+                len(layers),
+                exit_settings.max_steps,
+                query_mask,
+                lambda h=hidden_states: self.exit_logits(h[:, -1]),
+            )
+            stop = checked_decision(controller(state), state, controller)
+            if not bool(stop.any()):
+                continue
+            if final is None:
+                final = torch.empty_like(states[0])
+            exiting = rows[stop]
+            final[exiting] = hidden_states[stop]
+            exit_layers[exiting] = count
+            if self_cache is not None:
+                self_cache.fill_skipped(
+                    idx, exiting, slots, hidden_states[stop], lambda j, h: self.layers[j].self_key_values(h)
+                )
+            keep = ~stop
+            if not bool(keep.any()):
+                break
+            active = ActiveRows.of(rows[keep])
+            hidden_states = hidden_states[keep]
+            self_absolute, buckets = select_rows(self_absolute, keep), select_rows(buckets, keep)
+            cross_bias, query_mask = cross_bias[keep], select_rows(query_mask, keep)
+        if final is not None:  # rows that ran to the end (or, after a break, the last exiting ones again)
+            final[rows if active is None else active.index] = hidden_states
+        if exit_settings is not None:
+            exit_settings.record.decoder_steps.append(exit_layers)
 
         return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=self.layer_norm(hidden_states),
+            last_hidden_state=self.layer_norm(hidden_states if final is None else final),
             past_key_values=past_key_values,
             hidden_states=tuple(states) if output_hidden_states else None,
             attentions=tuple(self_attentions) if output_attentions else None,
@@ -760,8 +1022,9 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     return shifted.masked_fill(shifted == -100, pad_token_id)
 
 
-class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, GenerationMixin):
-    """OFA encoder-decoder with a tied LM head; `generate` works with greedy, sampling and beam search.
+class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerationMixin):
+    """OFA encoder-decoder with a tied LM head and early exits; `generate` works with greedy, sampling and beam
+    search, and takes the early-exit knobs (`exit_threshold=0.9`, ...; see `generation_early_exit.EXIT_KNOBS`).
 
     Inputs: `input_ids` / `attention_mask` [batch, T] (pad on the right, as OFA does), `pixel_values`
     [batch, 3, H, W] normalised to [-1, 1] by `OFAProcessor`, and `decoder_input_ids` or `labels`.
@@ -798,6 +1061,13 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear):
         self.decoder.output_projection = value
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # An auto-created generation config is saved with `_from_model_config: true`, and its unknown keys (the
+        # exit knobs calibration writes there) would then be dropped on reload.
+        if any(hasattr(self.generation_config, name) for name in EXIT_KNOBS):
+            self.generation_config._from_model_config = False
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
@@ -811,6 +1081,7 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, GenerationMixin):
         encoder_outputs: OFAEncoderOutput | None = None,
         past_key_values: Cache | None = None,
         labels: torch.LongTensor | None = None,
+        exit_settings: EarlyExitSettings | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
@@ -832,11 +1103,15 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, GenerationMixin):
                 input_ids,
                 attention_mask,
                 pixel_values,
+                exit_settings,
                 output_attentions=output_attentions,
                 output_hidden_states=output_hidden_states,
             )
         if use_cache and past_key_values is None:
-            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+            strategy = exit_settings.kv_strategy if exit_settings is not None else "propagate"
+            past_key_values = EncoderDecoderCache(
+                EarlyExitCache(self.config, strategy), DynamicCache(config=self.config)
+            )
         if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
             raise ValueError(f"`past_key_values` must be an EncoderDecoderCache, got {type(past_key_values).__name__}.")
 
@@ -845,6 +1120,7 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, GenerationMixin):
             encoder_outputs,
             decoder_attention_mask,
             past_key_values if use_cache else None,
+            exit_settings,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
         )

@@ -156,7 +156,8 @@ def test_a_user_controller_with_the_wrong_shape_is_named_in_the_error():
         (lambda: make_controller("similarity", 0.5, schedule="sometimes"), "exit_threshold_schedule"),
         (lambda: make_controller("similarity", 0.5, reduction="token"), "reduction"),
         (lambda: make_controller("confidence", 0.5, measure="vibes"), "measure"),
-        (lambda: make_controller("patience", patience=0), "patience"),
+        (lambda: make_controller("patience", 0), "patience"),
+        (lambda: make_controller("patience", 1.5), "layer count"),
     ],
 )
 def test_bad_knobs_raise_value_errors_naming_them(make, message):

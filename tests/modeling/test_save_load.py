@@ -44,21 +44,29 @@ from transformers import AutoModel
 inputs = torch.load(sys.argv[2])
 model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
 assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
-torch.save(model.generate(**inputs, max_new_tokens=6, num_beams=3), sys.argv[3])
+outputs = {"full": model.generate(**inputs, max_new_tokens=6, num_beams=3, exit_threshold=None)}
+for strategy in ("propagate", "copy", "recompute"):
+    out = model.generate(**inputs, **GENERATE, kv_strategy=strategy, return_dict_in_generate=True)
+    outputs[strategy] = (out.sequences, out.exit_layers, out.encoder_exit_layers)
+torch.save(outputs, sys.argv[3])
 """
 
 
-def test_remote_code_loads_without_the_package(tmp_path):
-    model = tiny_model()
+def test_remote_code_loads_without_the_package_and_exits_early(tmp_path):
+    model = tiny_model(decoder_layers=4)
+    model.generation_config.exit_threshold = 0.5  # a saved default: generate exits without being asked
     inputs = tiny_inputs()
     model.save_pretrained(tmp_path / "model")
+    assert {"early_exit_cache.py", "exit_controllers.py", "generation_early_exit.py"} <= set(
+        os.listdir(tmp_path / "model")
+    )
     torch.save(inputs, tmp_path / "inputs.pt")
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     subprocess.run(
         [
             sys.executable,
             "-c",
-            SUBPROCESS,
+            f"GENERATE = {GENERATE!r}\n" + SUBPROCESS,
             str(tmp_path / "model"),
             str(tmp_path / "inputs.pt"),
             str(tmp_path / "out.pt"),
@@ -69,7 +77,15 @@ def test_remote_code_loads_without_the_package(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert torch.equal(torch.load(tmp_path / "out.pt"), model.generate(**inputs, **GENERATE))
+    outputs = torch.load(tmp_path / "out.pt")
+    assert torch.equal(outputs["full"], model.generate(**inputs, **GENERATE, exit_threshold=None))
+    for strategy in ("propagate", "copy", "recompute"):
+        out = model.generate(**inputs, **GENERATE, kv_strategy=strategy, return_dict_in_generate=True)
+        sequences, exit_layers, encoder_exit_layers = outputs[strategy]
+        assert torch.equal(sequences, out.sequences)
+        assert torch.equal(exit_layers, out.exit_layers)
+        assert torch.equal(encoder_exit_layers, out.encoder_exit_layers)
+        assert bool(((exit_layers > 0) & (exit_layers < 4)).any())  # the saved default really exits
 
 
 PROCESSOR_SUBPROCESS = """

@@ -1,0 +1,322 @@
+"""Early exit in the model and in `generate`: invariants, the KV strategies, encoder exits, knobs and bad input."""
+
+import pytest
+import torch
+from hf_earlyexit.modeling.early_exit_cache import KV_STRATEGIES
+from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, ExitController, FixedLayerExit
+from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings
+from transformers import GenerationConfig
+
+from tests.helpers import tiny_inputs, tiny_model
+
+DEPTH = 4  # decoder layers of the models here
+NEW_TOKENS = 7
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(decoder_layers=DEPTH, encoder_layers=3)
+
+
+def batch_of(size: int) -> dict:
+    return tiny_inputs(batch=size, pad_last=2 if size > 1 else 0, seed=size)
+
+
+def generate(model, inputs, mode: str, **kwargs):
+    options = {
+        "greedy": dict(do_sample=False),
+        "sample": dict(do_sample=True, top_k=20),
+        "beam": dict(num_beams=3, num_return_sequences=2),
+    }[mode]
+    torch.manual_seed(0)
+    return model.generate(
+        **inputs, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True, output_scores=True, **options, **kwargs
+    )
+
+
+class NeverExit(ExitController):
+    """Asks at every layer and never stops: the exit code path with the full model's result."""
+
+    def __call__(self, state):
+        return torch.zeros(state.rows.shape[0], dtype=torch.bool)
+
+
+def mixed_exits(offset: int = 0) -> FixedLayerExit:
+    """A forced exit layer that varies by row (batch row + offset) and step: 1, 2, 3 or full depth."""
+    return FixedLayerExit(lambda state: (state.rows + offset + 2 * state.step) % DEPTH + 1)
+
+
+# --- no exit = the full model ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
+@pytest.mark.parametrize("size", [1, 4])
+@pytest.mark.parametrize("strategy", KV_STRATEGIES)
+def test_exits_that_never_fire_give_the_full_model(model, mode, size, strategy):
+    inputs = batch_of(size)
+    full = generate(model, inputs, mode)
+    for knobs in (
+        dict(exit_threshold=None),
+        dict(exit_threshold=1.0),  # a cosine similarity is never strictly above 1
+        dict(exit_policy="confidence", exit_threshold=1.0),
+        dict(exit_controller=NeverExit()),
+    ):
+        out = generate(model, inputs, mode, kv_strategy=strategy, **knobs)
+        assert torch.equal(out.sequences, full.sequences), knobs
+        for ours, theirs in zip(out.scores, full.scores, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+        assert bool((out.exit_layers[out.exit_layers > 0] == DEPTH).all())
+    assert full.exit_layers.shape == (full.sequences.shape[0], full.sequences.shape[1] - 1)
+    assert bool((full.encoder_exit_layers == 3).all())
+
+
+def test_full_model_reports_full_depth_and_beam_padding_as_zero(model):
+    out = generate(model, batch_of(4), "beam")
+    finished_early = out.sequences[:, 1:] == model.config.pad_token_id
+    assert bool((out.exit_layers[finished_early] == 0).all())
+    assert bool((out.exit_layers[~finished_early] == DEPTH).all())
+
+
+# --- forced exits and the cache ------------------------------------------------------------------------------------
+
+
+def decode_with_cache(model, inputs, settings, steps: int = 6):
+    """Greedy steps through `forward` with one cache, so its contents can be inspected; returns (tokens, cache)."""
+    encoder_outputs = model.get_encoder()(**inputs, exit_settings=settings)
+    tokens = torch.zeros(inputs["input_ids"].shape[0], 1, dtype=torch.long)
+    cache = None
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(
+                encoder_outputs=encoder_outputs,
+                attention_mask=inputs["attention_mask"],
+                decoder_input_ids=tokens[:, -1:],
+                past_key_values=cache,
+                exit_settings=settings,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            tokens = torch.cat([tokens, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens, cache
+
+
+def full_depth_cache(model, inputs, tokens):
+    """The self-attention K/V of a teacher-forced full-depth pass over `tokens` (all but the last)."""
+    with torch.no_grad():
+        out = model(**inputs, decoder_input_ids=tokens[:, :-1], use_cache=True, output_hidden_states=True)
+    return out.past_key_values.self_attention_cache, out.decoder_hidden_states
+
+
+def test_recompute_completes_every_layer_like_a_full_depth_pass(model):
+    inputs = batch_of(4)
+    settings = EarlyExitSettings(decoder=mixed_exits(), kv_strategy="recompute")
+    tokens, cache = decode_with_cache(model, inputs, settings)
+    exits = torch.stack(settings.record.decoder_steps, dim=1)  # [rows, steps]
+    assert set(exits.unique().tolist()) == {1, 2, 3, 4}
+    # One more token at full depth catches every layer up on all earlier tokens.
+    settings.decoder = None
+    with torch.no_grad():
+        model(
+            encoder_outputs=model.get_encoder()(**inputs),
+            attention_mask=inputs["attention_mask"],
+            decoder_input_ids=tokens[:, -1:],
+            past_key_values=cache,
+            exit_settings=settings,
+        )
+    reference, _ = full_depth_cache(model, inputs, tokens)
+    ours = cache.self_attention_cache
+    assert bool((ours.frontier == DEPTH).all())
+    for layer in range(DEPTH):
+        torch.testing.assert_close(ours.layers[layer].keys[:, :, :-1], reference.layers[layer].keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            ours.layers[layer].values[:, :, :-1], reference.layers[layer].values, rtol=0, atol=1e-5
+        )
+
+
+def test_propagate_fills_skipped_layers_with_their_projections_of_the_exited_state(model):
+    inputs = batch_of(4)
+    settings = EarlyExitSettings(decoder=FixedLayerExit(1), kv_strategy="propagate")
+    tokens, cache = decode_with_cache(model, inputs, settings)
+    # Every token exits after layer 1, whose output a teacher-forced pass reproduces (layer 1 always runs).
+    _, states = full_depth_cache(model, inputs, tokens)
+    ours = cache.self_attention_cache
+    with torch.no_grad():
+        for layer in range(1, DEPTH):
+            key, value = model.decoder.layers[layer].self_key_values(states[1])
+            torch.testing.assert_close(ours.layers[layer].keys, key, rtol=0, atol=1e-5)
+            torch.testing.assert_close(ours.layers[layer].values, value, rtol=0, atol=1e-5)
+
+
+def test_copy_fills_skipped_layers_with_the_exit_layers_keys_and_values(model):
+    settings = EarlyExitSettings(decoder=mixed_exits(), kv_strategy="copy")
+    _, cache = decode_with_cache(model, batch_of(4), settings)
+    exits = torch.stack(settings.record.decoder_steps, dim=1)  # [rows, steps]
+    layers = cache.self_attention_cache.layers
+    for row in range(exits.shape[0]):
+        for step in range(exits.shape[1]):
+            exit_layer = int(exits[row, step])
+            for skipped in range(exit_layer, DEPTH):
+                assert torch.equal(layers[skipped].keys[row, :, step], layers[exit_layer - 1].keys[row, :, step])
+                assert torch.equal(layers[skipped].values[row, :, step], layers[exit_layer - 1].values[row, :, step])
+
+
+@pytest.mark.parametrize("strategy", KV_STRATEGIES)
+def test_a_batch_gives_the_tokens_and_exit_layers_of_its_rows_run_one_by_one(model, strategy):
+    inputs = batch_of(4)
+    batched = generate(model, inputs, "greedy", exit_controller=mixed_exits(), kv_strategy=strategy)
+    for row in range(4):
+        real = inputs["attention_mask"][row].bool()
+        single = {
+            "input_ids": inputs["input_ids"][row : row + 1, real],
+            "attention_mask": inputs["attention_mask"][row : row + 1, real],
+            "pixel_values": inputs["pixel_values"][row : row + 1],
+        }
+        alone = generate(model, single, "greedy", exit_controller=mixed_exits(offset=row), kv_strategy=strategy)
+        length = alone.sequences.shape[1]
+        assert torch.equal(batched.sequences[row, :length], alone.sequences[0])
+        assert torch.equal(batched.exit_layers[row, : length - 1], alone.exit_layers[0])
+
+
+@pytest.mark.parametrize("strategy", ["propagate", "copy"])
+def test_exit_layers_count_the_layer_calls_that_ran(model, strategy):
+    calls: list[list[int]] = []
+    hooks = [model.decoder.register_forward_pre_hook(lambda module, args: calls.append([]))]
+    for layer in model.decoder.layers:
+        hooks.append(layer.register_forward_pre_hook(lambda module, args: calls[-1].append(args[0].shape[0])))
+    encoder_calls: list[int] = []
+    for layer in model.encoder.layers:
+        hooks.append(layer.register_forward_pre_hook(lambda module, args: encoder_calls.append(args[0].shape[0])))
+    try:
+        out = generate(
+            model,
+            batch_of(4),
+            "greedy",
+            exit_controller={"decoder": mixed_exits(), "encoder": FixedLayerExit(lambda s: s.rows % 3 + 1)},
+            kv_strategy=strategy,
+        )
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert [sum(step) for step in calls] == out.exit_layers.sum(dim=0).tolist()
+    assert out.encoder_exit_layers[:, 0].tolist() == [1, 2, 3, 1]
+    assert sum(encoder_calls) == int(out.encoder_exit_layers[:, 0].sum())
+
+
+def test_min_exit_layer_holds_back_exits(model):
+    out = generate(model, batch_of(4), "greedy", exit_controller=FixedLayerExit(1), min_exit_layer=3)
+    assert bool((out.exit_layers == 3).all())
+
+
+def test_confidence_exit_at_a_low_threshold_stops_at_the_first_allowed_layer(model):
+    out = generate(model, batch_of(2), "beam", exit_policy="confidence", exit_threshold=0.0, min_exit_layer=2)
+    assert bool((out.exit_layers[out.exit_layers > 0] == 2).all())
+    # The exited tokens are the ones a 2-layer model picks: the shared head on layer 2's state.
+    patience = generate(model, batch_of(2), "greedy", exit_policy="patience", exit_threshold=2)
+    assert bool((patience.exit_layers >= 2).all())
+
+
+def test_teacher_forced_forward_with_exits_uses_each_rows_exit_state(model):
+    inputs = batch_of(2)
+    decoder_input_ids = torch.tensor([[0, 5, 9, 14], [0, 7, 7, 30]])
+    settings = EarlyExitSettings(decoder=FixedLayerExit(lambda s: s.rows + 1))
+    with torch.no_grad():
+        exited = model(**inputs, decoder_input_ids=decoder_input_ids, exit_settings=settings, use_cache=False)
+        full = model(**inputs, decoder_input_ids=decoder_input_ids, use_cache=False, output_hidden_states=True)
+    for row in range(2):
+        expected = model.decoder.exit_logits(full.decoder_hidden_states[row + 1][row])
+        torch.testing.assert_close(exited.logits[row], expected, rtol=0, atol=1e-5)
+    assert settings.record.decoder_steps[0].tolist() == [1, 2]
+
+
+# --- encoder exits ---------------------------------------------------------------------------------------------------
+
+
+def test_decomposed_encoder_streams_exit_on_their_own_per_row():
+    model = tiny_model(encoder_layers=3, decompose_encoder_modalities=True)
+    inputs = batch_of(2)
+    controllers = {"encoder_image": FixedLayerExit(lambda s: s.rows + 1), "encoder_text": FixedLayerExit(2)}
+    settings = EarlyExitSettings(**controllers)
+    with torch.no_grad():
+        exited = model.get_encoder()(**inputs, exit_settings=settings)
+        full = model.get_encoder()(**inputs, output_hidden_states=True)
+    assert exited.exit_layers.tolist() == [[1, 2], [2, 2]]
+    num_image = full.last_hidden_state.shape[1] - inputs["input_ids"].shape[1]
+    for row, image_layer in enumerate((1, 2)):
+        expected = torch.cat(
+            [full.hidden_states[image_layer][row, :num_image], full.hidden_states[2][row, num_image:]], dim=0
+        )
+        torch.testing.assert_close(exited.last_hidden_state[row], model.encoder.layer_norm(expected), rtol=0, atol=1e-5)
+    out = model.generate(
+        **inputs, max_new_tokens=3, encoder_image_exit_threshold=-1.0, return_dict_in_generate=True
+    )  # any similarity is above -1: both rows stop the image stream after its first layer
+    assert out.encoder_exit_layers.tolist() == [[1, 3], [1, 3]]
+
+
+# --- knobs, defaults and bad input ----------------------------------------------------------------------------------
+
+
+def test_defaults_come_from_the_config_and_the_generation_config_and_survive_save_load(tmp_path):
+    model = tiny_model(decoder_layers=DEPTH, exit_threshold=-1.0, min_exit_layer=2)
+    inputs = batch_of(2)
+    assert bool((generate(model, inputs, "greedy").exit_layers == 2).all())
+    assert bool((generate(model, inputs, "greedy", exit_threshold=None).exit_layers == DEPTH).all())
+    model.generation_config.min_exit_layer = 3
+    assert bool((generate(model, inputs, "greedy").exit_layers == 3).all())
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path).eval()
+    assert reloaded.config.exit_threshold == -1.0
+    assert reloaded.generation_config.min_exit_layer == 3
+    assert bool((generate(reloaded, inputs, "greedy").exit_layers == 3).all())
+    explicit = GenerationConfig(min_exit_layer=4, max_new_tokens=3)
+    assert bool(
+        (reloaded.generate(**inputs, generation_config=explicit, return_dict_in_generate=True).exit_layers == 4).all()
+    )
+
+
+@pytest.mark.parametrize(
+    "knobs, message",
+    [
+        (dict(exit_treshold=0.9), "exit_treshold"),
+        (dict(exit_threshold=1.5), "exit_threshold"),
+        (dict(exit_threshold=-0.1, exit_policy="confidence"), "exit_threshold"),
+        (dict(exit_threshold="high"), "exit_threshold"),
+        (dict(exit_threshold=0.9, exit_policy="entropic"), "exit_policy"),
+        (dict(exit_threshold=0.9, exit_threshold_schedule="cosine"), "exit_threshold_schedule"),
+        (dict(exit_threshold=2.5, exit_policy="patience"), "layer count"),
+        (dict(kv_strategy="share"), "kv_strategy"),
+        (dict(min_exit_layer=0), "min_exit_layer"),
+        (dict(min_exit_layer=DEPTH + 1), "min_exit_layer"),
+        (dict(encoder_exit_threshold=1.2), "encoder_exit_threshold"),
+        (dict(encoder_image_exit_threshold=0.9), "decompose_encoder_modalities"),
+        (dict(exit_controller={"decodr": FixedLayerExit(1)}), "decodr"),
+        (dict(exit_controller=0.9), "callable"),
+        (dict(exit_controller=lambda state: torch.ones(1, dtype=torch.bool)), "shape"),
+        (dict(exit_threshold=0.9, use_cache=False), "use_cache"),
+        (dict(exit_threshold=0.9, kv_strategy="recompute", cache_implementation="static"), "static"),
+    ],
+)
+def test_bad_knobs_raise_value_errors_naming_them(model, knobs, message):
+    with pytest.raises(ValueError, match=message):
+        model.generate(**batch_of(4), max_new_tokens=3, **knobs)
+
+
+def test_bad_config_defaults_are_refused():
+    with pytest.raises(ValueError, match="kv_strategy"):
+        tiny_model(kv_strategy="share")
+    with pytest.raises(ValueError, match="min_exit_layer"):
+        tiny_model(min_exit_layer=9)
+
+
+def test_a_user_controller_sees_the_documented_state(model):
+    seen = []
+
+    class Recorder(ConfidenceExit):
+        def __call__(self, state):
+            seen.append((state.part, state.layer, state.step, tuple(state.hidden_states.shape), state.rows.tolist()))
+            assert state.logits().shape == (state.rows.shape[0], model.config.vocab_size)
+            return super().__call__(state)
+
+    generate(model, batch_of(2), "greedy", exit_controller=Recorder(0.99))
+    assert seen[0] == ("decoder", 1, 0, (2, 1, 32), [0, 1])
+    assert {layer for _, layer, *_ in seen} <= {1, 2, 3}
+    assert max(step for _, _, step, *_ in seen) == NEW_TOKENS - 1
