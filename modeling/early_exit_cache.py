@@ -40,6 +40,8 @@ class EarlyExitCache(DynamicCache):
         # hidden state that layer takes as input.
         self.frontier: torch.Tensor | None = None  # [batch, T]
         self.pending: torch.Tensor | None = None  # [batch, T, d_model]
+        # Layers that may have waiting tokens, kept in Python so that asking costs no device sync.
+        self.waiting_layers: set[int] = set()
 
     @property
     def is_compileable(self) -> bool:
@@ -87,34 +89,40 @@ class EarlyExitCache(DynamicCache):
     def fill_skipped(
         self,
         last_layer: int,
-        rows: torch.Tensor,
+        rows: torch.Tensor | None,
         slots: slice,
         hidden_states: torch.Tensor,
         project: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
-        """Rows that exited after layer index `last_layer` with `hidden_states` [rows, q, d]: fill the slots of the
-        layers they skip. `project(layer_idx, hidden)` gives that layer's K/V of a hidden state (propagate)."""
+        """Rows (None: all) that exited after layer index `last_layer` with `hidden_states` [rows, q, d]: fill the
+        slots of the layers they skip. `project(layer_idx, hidden)` gives that layer's K/V of a hidden state."""
         skipped = range(last_layer + 1, self.num_layers)
+        row_index = slice(None) if rows is None else rows
         if self.kv_strategy == "propagate":
             for layer_idx in skipped:
                 self.write(layer_idx, *project(layer_idx, hidden_states), rows, slots)
         elif self.kv_strategy == "copy":
             exit_layer = self.layers[last_layer]
-            key, value = exit_layer.keys[rows, :, slots], exit_layer.values[rows, :, slots]
+            key, value = exit_layer.keys[row_index, :, slots], exit_layer.values[row_index, :, slots]
             for layer_idx in skipped:
                 self.write(layer_idx, key, value, rows, slots)
-        else:
-            self.frontier[rows, slots] = last_layer + 1
-            self.pending[rows, slots] = hidden_states.to(self.pending.dtype)
+        elif last_layer + 1 < self.num_layers:
+            self.frontier[row_index, slots] = last_layer + 1
+            self.pending[row_index, slots] = hidden_states.to(self.pending.dtype)
+            self.waiting_layers.add(last_layer + 1)
 
     def pending_inputs(
         self, layer_idx: int, rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """recompute: of `rows`, those with tokens waiting for layer `layer_idx`, their waiting hidden states
         [rows', P, d] and slots [rows', P] (chronological, -1 = padding), or None when nothing waits."""
-        if self.frontier is None:
+        if layer_idx not in self.waiting_layers:
             return None
-        waiting = self.frontier[rows] == layer_idx  # [rows, T]
+        waiting = self.frontier == layer_idx  # [batch, T]
+        if not bool(waiting.any()):
+            self.waiting_layers.discard(layer_idx)
+            return None
+        waiting = waiting[rows]
         counts = waiting.sum(dim=-1)
         if not bool(counts.any()):
             return None
@@ -134,6 +142,8 @@ class EarlyExitCache(DynamicCache):
         slot_index = slots[valid]
         self.pending[row_index, slot_index] = hidden_states[valid].to(self.pending.dtype)
         self.frontier[row_index, slot_index] = layer_idx + 1
+        if layer_idx + 1 < self.num_layers:
+            self.waiting_layers.add(layer_idx + 1)
 
     # The side buffers follow every batch and length operation of the K/V.
 
@@ -144,6 +154,7 @@ class EarlyExitCache(DynamicCache):
     def reset(self) -> None:
         super().reset()
         self.frontier = self.pending = None
+        self.waiting_layers = set()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

@@ -315,9 +315,10 @@ class FixedLayerExit(ExitController):
         self.layer = layer
 
     def __call__(self, state: ExitState) -> torch.BoolTensor:
-        target = self.layer(state) if callable(self.layer) else self.layer
-        target = torch.as_tensor(target, device=state.hidden_states.device).expand(state.rows.shape[0])
-        return target <= state.layer
+        rows, device = state.rows.shape[0], state.hidden_states.device
+        if not callable(self.layer):
+            return torch.full((rows,), state.layer >= self.layer, dtype=torch.bool, device=device)
+        return torch.as_tensor(self.layer(state), device=device).expand(rows) <= state.layer
 
     def __repr__(self) -> str:
         return f"FixedLayerExit({self.layer!r})"

@@ -832,6 +832,10 @@ class OFADecoder(nn.Module):
         """Logits of the exit head for hidden states [..., d]: the shared final LayerNorm and output projection."""
         return self.output_projection(self.layer_norm(hidden_states))
 
+    def skipped_key_values(self, layer_idx: int, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s self-attention K/V of an exited hidden state (`kv_strategy="propagate"`)."""
+        return self.layers[layer_idx].self_key_values(hidden_states)
+
     def catch_up(
         self,
         layer_idx: int,
@@ -953,26 +957,30 @@ class OFADecoder(nn.Module):
                 lambda h=hidden_states: self.exit_logits(h[:, -1]),
             )
             stop = checked_decision(controller(state), state, controller)
-            if not bool(stop.any()):
+            stopping = int(stop.sum())
+            if stopping == 0:
                 continue
+            if stopping == len(rows) and active is None:  # the whole batch stops here: no gathers needed
+                exit_layers.fill_(count)
+                if self_cache is not None:
+                    self_cache.fill_skipped(idx, None, slots, hidden_states, self.skipped_key_values)
+                break
             if final is None:
                 final = torch.empty_like(states[0])
             exiting = rows[stop]
             final[exiting] = hidden_states[stop]
             exit_layers[exiting] = count
             if self_cache is not None:
-                self_cache.fill_skipped(
-                    idx, exiting, slots, hidden_states[stop], lambda j, h: self.layers[j].self_key_values(h)
-                )
-            keep = ~stop
-            if not bool(keep.any()):
+                self_cache.fill_skipped(idx, exiting, slots, hidden_states[stop], self.skipped_key_values)
+            if stopping == len(rows):
                 break
+            keep = ~stop
             active = ActiveRows.of(rows[keep])
             hidden_states = hidden_states[keep]
             self_absolute, buckets = select_rows(self_absolute, keep), select_rows(buckets, keep)
             cross_bias, query_mask = cross_bias[keep], select_rows(query_mask, keep)
         if final is not None:  # rows that ran to the end (or, after a break, the last exiting ones again)
-            final[rows if active is None else active.index] = hidden_states
+            final[active.index] = hidden_states
         if exit_settings is not None:
             exit_settings.record.decoder_steps.append(exit_layers)
 
