@@ -8,26 +8,11 @@ Prints one JSON object (median seconds of each measurement).
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
-
-
-def median_seconds(function, repeats: int, device: torch.device) -> float:
-    function()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        function()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from hf_earlyexit.benchmark import median_seconds
 
 
 def main() -> None:
@@ -51,28 +36,21 @@ def main() -> None:
     decoder_input_ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     generation = dict(max_new_tokens=16, min_new_tokens=16)
 
+    functions = {
+        "stem": lambda: model.encoder.embed_images(pixel_values),
+        "encoder": lambda: model.encoder(input_ids, pixel_values=pixel_values),
+        "forward": lambda: model(input_ids=input_ids, pixel_values=pixel_values, decoder_input_ids=decoder_input_ids),
+    }
+    for name, settings in {
+        "greedy_cache": dict(num_beams=1),
+        "beam5_cache": dict(num_beams=5),
+        "greedy_no_cache": dict(num_beams=1, use_cache=False),
+    }.items():
+        functions[name] = lambda s=settings: model.generate(
+            input_ids=input_ids, pixel_values=pixel_values, **generation, **s
+        )
     with torch.no_grad():
-        results = {
-            "stem": median_seconds(lambda: model.encoder.embed_images(pixel_values), args.repeats, device),
-            "encoder": median_seconds(
-                lambda: model.encoder(input_ids, pixel_values=pixel_values), args.repeats, device
-            ),
-            "forward": median_seconds(
-                lambda: model(input_ids=input_ids, pixel_values=pixel_values, decoder_input_ids=decoder_input_ids),
-                args.repeats,
-                device,
-            ),
-        }
-        for name, settings in {
-            "greedy_cache": dict(num_beams=1),
-            "beam5_cache": dict(num_beams=5),
-            "greedy_no_cache": dict(num_beams=1, use_cache=False),
-        }.items():
-            results[name] = median_seconds(
-                lambda s=settings: model.generate(input_ids=input_ids, pixel_values=pixel_values, **generation, **s),
-                args.repeats,
-                device,
-            )
+        results = median_seconds(functions, args.repeats, device)
     print(
         json.dumps(
             {

@@ -1,4 +1,4 @@
-"""`hf-earlyexit` command line: convert, caption, demo.
+"""`hf-earlyexit` command line: convert, caption, demo, bench.
 
 Every user error (bad path, unreadable image, wrong model folder, bad option) ends in one line on stderr and
 exit status 2, never a traceback.
@@ -141,6 +141,26 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"   {seconds:.2f} s on {torch.get_num_threads()} CPU thread(s)")
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from .benchmark import forced_exit_benchmark
+
+    batch_sizes = tuple(int(size) for size in args.batch_sizes.split(",")) if args.batch_sizes else ()
+    if any(size < 1 for size in batch_sizes) or args.repeats < 1 or args.new_tokens < 1:
+        raise ValueError("--batch-sizes, --repeats and --new-tokens must be positive.")
+    report = forced_exit_benchmark(
+        args.forced_exit,
+        preset=args.preset,
+        batch_sizes=batch_sizes,
+        encoder_batch_size=args.encoder_batch_size,
+        new_tokens=args.new_tokens,
+        image_size=args.image_size,
+        repeats=args.repeats,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    print(json.dumps(report, indent=None if args.json else 2))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-earlyexit", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -159,6 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--num-beams", type=int, default=5)
     caption.add_argument("--max-new-tokens", type=int, default=16)
     caption.set_defaults(run=cmd_caption)
+
+    bench = commands.add_parser(
+        "bench",
+        help="time full vs forced-exit vs truncated models in one process (random weights); prints JSON",
+    )
+    bench.add_argument("--forced-exit", type=int, required=True, help="exit every row after this many layers")
+    bench.add_argument("--preset", default="base", choices=["tiny", "medium", "base", "large", "huge"])
+    bench.add_argument("--batch-sizes", default="1,8", help="decoder batch sizes, comma-separated (default 1,8)")
+    bench.add_argument("--encoder-batch-size", type=int, default=1)
+    bench.add_argument("--new-tokens", type=int, default=16)
+    bench.add_argument("--image-size", type=int, default=384)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
+    bench.set_defaults(run=cmd_bench)
 
     demo = commands.add_parser("demo", help="convert, build and caption end to end")
     demo.add_argument("--output-dir", default="out/demo")

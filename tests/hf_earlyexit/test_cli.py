@@ -1,5 +1,7 @@
 """The `hf-earlyexit` command line: real runs and one-line errors."""
 
+import json
+
 import pytest
 from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from PIL import Image
@@ -49,6 +51,8 @@ def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_to
         (lambda d, t: ["caption", str(t), str(t / "ok.png")], "not a model folder"),
         (lambda d, t: ["caption", str(t / "other_model"), str(t / "ok.png")], "not an hf-earlyexit OFA model"),
         (lambda d, t: ["convert", "--from", str(t / "nowhere"), "--to", str(t / "out")], "No checkpoint"),
+        (lambda d, t: ["bench", "--forced-exit", "4", "--preset", "tiny"], "--forced-exit"),
+        (lambda d, t: ["bench", "--forced-exit", "1", "--batch-sizes", "0"], "positive"),
     ],
 )
 def test_user_errors_are_one_line(tmp_path, capsys, make_argv, message):
@@ -59,3 +63,15 @@ def test_user_errors_are_one_line(tmp_path, capsys, make_argv, message):
     assert main(make_argv(None, tmp_path)) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-earlyexit: error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_prints_json_with_realized_and_ideal_speedups(capsys):
+    argv = ["bench", "--forced-exit", "1", "--preset", "tiny", "--image-size", "64", "--batch-sizes", "1,2"]
+    assert main([*argv, "--new-tokens", "2", "--repeats", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["forced_exit"] == 1 and set(report["encoder"]) == {"joint", "decomposed"}
+    assert set(report["decoder"]) == {"batch_1", "batch_2"}
+    for strategy in ("propagate", "copy", "recompute"):
+        row = report["decoder"]["batch_2"][strategy]
+        assert row["layer_count_speedup"] == 4.0  # OFA-tiny has 4 decoder layers
+        assert row["realized_over_ideal"] == round(row["truncated_ms_per_token"] / row["early_exit_ms_per_token"], 3)

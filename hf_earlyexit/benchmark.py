@@ -1,0 +1,172 @@
+"""Wall-clock benchmarks: do the layers an exit skips come back as time?
+
+`forced_exit_benchmark` times, in one process and on the same inputs, three models that share their weights:
+the full model, the same model made to exit after K layers (`FixedLayerExit`), and a model that simply *has* K
+layers (truncated). The truncated model is the ideal: no early-exit implementation can beat a model without the
+skipped layers, so `realized_over_ideal = truncated time / early-exit time` says how much of the saving the exit
+machinery delivers (1.0 = all of it). The layer-count ratio K / L is reported beside it; it overstates the ideal,
+because the embeddings, the final LayerNorm and the output projection (59k words) run whatever the depth.
+"""
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from .modeling.configuration_ofa import OFAEarlyExitConfig
+from .modeling.early_exit_cache import KV_STRATEGIES
+from .modeling.exit_controllers import FixedLayerExit
+from .modeling.generation_early_exit import EarlyExitSettings
+from .modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration
+
+PROMPT_LENGTH = 8  # tokens, as in the official port's reference timings
+
+
+def truncated_model(
+    model: EarlyExitOFAForConditionalGeneration, encoder_layers: int, decoder_layers: int
+) -> EarlyExitOFAForConditionalGeneration:
+    """A model with only the first layers of `model`, sharing its weights (no copy, no random init)."""
+    config = OFAEarlyExitConfig.from_dict(
+        {**model.config.to_dict(), "encoder_layers": encoder_layers, "decoder_layers": decoder_layers}
+    )
+    with torch.device("meta"):
+        truncated = EarlyExitOFAForConditionalGeneration(config)
+    kept = truncated.state_dict().keys()
+    truncated.load_state_dict({k: v for k, v in model.state_dict().items() if k in kept}, assign=True)
+    truncated.config._attn_implementation = model.config._attn_implementation
+    return truncated.eval()
+
+
+def random_inputs(config: OFAEarlyExitConfig, batch: int, image_size: int, device, dtype) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(4, 50000, (batch, PROMPT_LENGTH), generator=generator)
+    input_ids[:, 0], input_ids[:, -1] = config.bos_token_id, config.eos_token_id
+    pixel_values = torch.randn(batch, 3, image_size, image_size, generator=generator)
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": torch.ones_like(input_ids).to(device),
+        "pixel_values": pixel_values.to(device, dtype),
+    }
+
+
+def median_seconds(functions: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
+    """Median wall-clock of each function, after one warm-up each, interleaved so drift hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for round_ in range(repeats + 1):
+        for name, function in functions.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            function()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+@torch.no_grad()
+def forced_exit_benchmark(
+    forced_exit: int,
+    preset: str = "base",
+    batch_sizes: tuple[int, ...] = (1, 8),
+    encoder_batch_size: int = 1,
+    new_tokens: int = 16,
+    image_size: int = 384,
+    repeats: int = 3,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> dict:
+    """Time full, forced-exit and truncated models (random weights of `preset` size); returns a JSON-ready dict."""
+    torch.manual_seed(0)
+    config = OFAEarlyExitConfig.from_preset(preset)
+    if not 1 <= forced_exit < min(config.encoder_layers, config.decoder_layers):
+        depth = min(config.encoder_layers, config.decoder_layers)
+        raise ValueError(
+            f"`--forced-exit` must lie in [1, {depth - 1}] for OFA-{preset} ({config.encoder_layers} encoder / "
+            f"{config.decoder_layers} decoder layers), got {forced_exit}."
+        )
+    torch_device, torch_dtype = torch.device(device), getattr(torch, dtype)
+    model = EarlyExitOFAForConditionalGeneration(config).to(torch_device, torch_dtype).eval()
+    truncated = truncated_model(model, forced_exit, forced_exit)
+    exit_after = FixedLayerExit(forced_exit)
+    report = {
+        "model": f"OFA-{preset} (random weights)",
+        "device": torch.cuda.get_device_name()
+        if torch_device.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)",
+        "dtype": dtype,
+        "image_size": image_size,
+        "prompt_tokens": PROMPT_LENGTH,
+        "forced_exit": forced_exit,
+        "repeats": repeats,
+        "encoder": {},
+        "decoder": {},
+    }
+
+    inputs = random_inputs(config, encoder_batch_size, image_size, torch_device, torch_dtype)
+    for mode, decomposed, parts in (
+        ("joint", False, ("encoder",)),
+        ("decomposed", True, ("encoder_image", "encoder_text")),
+    ):
+        model.config.decompose_encoder_modalities = truncated.config.decompose_encoder_modalities = decomposed
+        settings = EarlyExitSettings(**dict.fromkeys(parts, exit_after))
+        seconds = median_seconds(
+            {
+                "full": lambda: model.get_encoder()(**inputs),
+                "early_exit": lambda settings=settings: model.get_encoder()(**inputs, exit_settings=settings),
+                "truncated": lambda: truncated.get_encoder()(**inputs),
+            },
+            repeats,
+            torch_device,
+        )
+        report["encoder"][mode] = summary(seconds, forced_exit / config.encoder_layers, encoder_batch_size, "s")
+    model.config.decompose_encoder_modalities = truncated.config.decompose_encoder_modalities = False
+
+    for batch in batch_sizes:
+        inputs = random_inputs(config, batch, image_size, torch_device, torch_dtype)
+        encoder_outputs = model.get_encoder()(**inputs)
+
+        def decode(generator, encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"], **knobs):
+            # A fixed number of new tokens, so every variant decodes the same length.
+            return lambda: generator.generate(
+                encoder_outputs=encoder_outputs,
+                attention_mask=attention_mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                **knobs,
+            )
+
+        functions = {"full": decode(model), "truncated": decode(truncated)}
+        for strategy in KV_STRATEGIES:
+            functions[strategy] = decode(model, exit_controller=exit_after, kv_strategy=strategy)
+        seconds = {name: value / new_tokens for name, value in median_seconds(functions, repeats, torch_device).items()}
+        report["decoder"][f"batch_{batch}"] = {
+            strategy: summary(
+                {"full": seconds["full"], "early_exit": seconds[strategy], "truncated": seconds["truncated"]},
+                forced_exit / config.decoder_layers,
+                batch,
+                "ms_per_token",
+            )
+            for strategy in KV_STRATEGIES
+        }
+    return report
+
+
+def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str) -> dict:
+    scale = 1000.0 if unit == "ms_per_token" else 1.0
+    return {
+        "batch": batch,
+        f"full_{unit}": round(seconds["full"] * scale, 4),
+        f"early_exit_{unit}": round(seconds["early_exit"] * scale, 4),
+        f"truncated_{unit}": round(seconds["truncated"] * scale, 4),
+        "realized_speedup": round(seconds["full"] / seconds["early_exit"], 3),
+        "ideal_speedup": round(seconds["full"] / seconds["truncated"], 3),
+        "layer_count_speedup": round(1 / layer_ratio, 3),
+        "realized_over_ideal": round(seconds["truncated"] / seconds["early_exit"], 3),
+    }
+
+
+__all__ = ["forced_exit_benchmark", "truncated_model"]
