@@ -3,6 +3,17 @@
 from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoModelForSeq2SeqLM, AutoProcessor
 
 from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
+from .modeling.early_exit_cache import EarlyExitCache
+from .modeling.exit_controllers import (
+    ConfidenceExit,
+    ExitController,
+    ExitControllerList,
+    ExitState,
+    FixedLayerExit,
+    PatienceExit,
+    SimilarityExit,
+)
+from .modeling.generation_early_exit import EarlyExitSettings
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 
 # With the package imported, the Auto classes resolve our model type without remote code.
@@ -13,6 +24,15 @@ AutoImageProcessor.register(OFAEarlyExitConfig, slow_image_processor_class=OFAIm
 AutoProcessor.register(OFAEarlyExitConfig, OFAProcessor, exist_ok=True)
 
 __all__ = [
+    "ConfidenceExit",
+    "EarlyExitCache",
+    "EarlyExitSettings",
+    "ExitController",
+    "ExitControllerList",
+    "ExitState",
+    "FixedLayerExit",
+    "PatienceExit",
+    "SimilarityExit",
     "EarlyExitOFAForConditionalGeneration",
     "OFAEarlyExitConfig",
     "OFAImageProcessor",
