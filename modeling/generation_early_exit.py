@@ -91,12 +91,18 @@ class EarlyExitSettings:
         for part, controller in controllers.items():
             if not callable(controller):
                 raise ValueError(f"`exit_controller` for {part!r} must be callable, got {type(controller).__name__}.")
-            if isinstance(controller, ExitController):
-                controller.reset()
         check_encoder_parts(set(controllers), config)
         return cls(
             **controllers, kv_strategy=value["kv_strategy"], min_exit_layer=value["min_exit_layer"], max_steps=max_steps
         )
+
+    def start(self) -> None:
+        """Begin a new generation: an empty record, and controllers that forget earlier calls."""
+        self.record = ExitRecord()
+        for part in EXIT_PARTS:
+            controller = getattr(self, part)
+            if isinstance(controller, ExitController):
+                controller.reset()
 
 
 def check_scalar_knobs(value: dict[str, Any], config: PreTrainedConfig) -> None:
@@ -175,11 +181,10 @@ class EarlyExitGenerationMixin(GenerationMixin):
         settings = kwargs.pop("exit_settings", None)
         if settings is not None and knobs:
             raise ValueError(f"Pass either `exit_settings` or the knobs {sorted(knobs)}, not both.")
-        if settings is not None:
-            settings.record = ExitRecord()
-        else:
+        if settings is None:
             max_steps = kwargs.get("max_new_tokens") or source.max_new_tokens or source.max_length - 1
             settings = EarlyExitSettings.from_knobs(self.config, max_steps=max_steps, **{**defaults, **knobs})
+        settings.start()
         exits = any(getattr(settings, part) is not None for part in EXIT_PARTS)
         if exits and kwargs.get("use_cache", source.use_cache) is False:
             raise ValueError("Early exit in `generate` needs `use_cache=True` (skipped layers live in the cache).")
@@ -188,8 +193,10 @@ class EarlyExitGenerationMixin(GenerationMixin):
         if not isinstance(output, (GenerateEncoderDecoderOutput, GenerateBeamEncoderDecoderOutput)):
             return output
         exit_layers = generated_exit_layers(settings.record, output)
-        encoder = settings.record.encoder
-        encoder_exit_layers = encoder.repeat_interleave(output.sequences.shape[0] // encoder.shape[0], dim=0)
+        encoder = settings.record.encoder  # None when `encoder_outputs` were passed in
+        encoder_exit_layers = (
+            None if encoder is None else encoder.repeat_interleave(output.sequences.shape[0] // encoder.shape[0], 0)
+        )
         output_class = (
             EarlyExitBeamGenerateOutput
             if isinstance(output, GenerateBeamEncoderDecoderOutput)

@@ -903,6 +903,11 @@ class OFADecoder(nn.Module):
                 f"got {attention_mask.shape[-1]}."
             )
         controller = exit_settings.decoder if exit_settings is not None else None
+        if controller is not None and self_cache is not None and self_cache.kv_strategy != exit_settings.kv_strategy:
+            raise ValueError(
+                f"`kv_strategy={exit_settings.kv_strategy!r}` but the cache passed in was built for "
+                f"{self_cache.kv_strategy!r}."
+            )
         if controller is not None and (output_attentions or output_hidden_states):
             raise ValueError("`output_attentions` / `output_hidden_states` are not available with decoder exits.")
 

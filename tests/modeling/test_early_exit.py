@@ -320,3 +320,32 @@ def test_a_user_controller_sees_the_documented_state(model):
     assert seen[0] == ("decoder", 1, 0, (2, 1, 32), [0, 1])
     assert {layer for _, layer, *_ in seen} <= {1, 2, 3}
     assert max(step for _, _, step, *_ in seen) == NEW_TOKENS - 1
+
+
+def test_a_cache_built_for_another_strategy_is_refused(model):
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    from hf_earlyexit import EarlyExitCache
+
+    cache = EncoderDecoderCache(EarlyExitCache(model.config, "copy"), DynamicCache(config=model.config))
+    with pytest.raises(ValueError, match="kv_strategy='recompute'"):
+        model.generate(
+            **batch_of(2), max_new_tokens=3, past_key_values=cache, exit_threshold=0.5, kv_strategy="recompute"
+        )
+
+
+def test_reused_settings_start_afresh_and_encoder_outputs_can_be_passed_in(model):
+    inputs = batch_of(2)
+    settings = EarlyExitSettings(decoder=mixed_exits())
+    first = model.generate(**inputs, max_new_tokens=4, exit_settings=settings, return_dict_in_generate=True)
+    second = model.generate(**inputs, max_new_tokens=4, exit_settings=settings, return_dict_in_generate=True)
+    assert torch.equal(first.exit_layers, second.exit_layers) and len(settings.record.decoder_steps) == 4
+    encoder_outputs = model.get_encoder()(**inputs)
+    out = model.generate(
+        encoder_outputs=encoder_outputs,
+        attention_mask=inputs["attention_mask"],
+        max_new_tokens=4,
+        exit_settings=settings,
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(out.exit_layers, first.exit_layers) and out.encoder_exit_layers is None
