@@ -140,6 +140,15 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"   tokens {sequences[0].tolist()}")
     print(f"   {seconds:.2f} s on {torch.get_num_threads()} CPU thread(s)")
 
+    inputs = processor(images=[sample_image()], text=[PROMPT], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, num_beams=5, max_new_tokens=16, exit_threshold=0.8, return_dict_in_generate=True)
+    layers = out.exit_layers[0][out.exit_layers[0] > 0].tolist()
+    print("4. the same with early exit (exit_threshold=0.8: a token leaves once a layer changes it little):")
+    print(f"   -> {processor.batch_decode(out.sequences, skip_special_tokens=True)[0].strip()!r}")
+    print(f"   decoder layers run per token {layers} of {model.config.decoder_layers}")
+    print("   (random weights: this shows the mechanism; the trained model and its measured trade-off come later)")
+
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from .benchmark import forced_exit_benchmark

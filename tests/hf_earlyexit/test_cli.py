@@ -75,3 +75,12 @@ def test_bench_prints_json_with_realized_and_ideal_speedups(capsys):
         row = report["decoder"]["batch_2"][strategy]
         assert row["layer_count_speedup"] == 4.0  # OFA-tiny has 4 decoder layers
         assert row["realized_over_ideal"] == round(row["truncated_ms_per_token"] / row["early_exit_ms_per_token"], 3)
+
+
+def test_demo_runs_end_to_end_and_shows_exit_layers(bart_tokenizer_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_EARLYEXIT_SHARED", str(bart_tokenizer_dir.parents[1]))
+    assert main(["demo", "--output-dir", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "max |logits - official OFA logits|" in out
+    assert "decoder layers run per token [" in out
+    assert (tmp_path / "demo" / "ofa-tiny" / "generation_early_exit.py").is_file()
