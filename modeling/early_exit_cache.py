@@ -118,17 +118,15 @@ class EarlyExitCache(DynamicCache):
         [rows', P, d] and slots [rows', P] (chronological, -1 = padding), or None when nothing waits."""
         if layer_idx not in self.waiting_layers:
             return None
-        waiting = self.frontier == layer_idx  # [batch, T]
-        if not bool(waiting.any()):
-            self.waiting_layers.discard(layer_idx)
-            return None
-        waiting = waiting[rows]
+        waiting = self.frontier[rows] == layer_idx  # [rows, T]
         counts = waiting.sum(dim=-1)
-        if not bool(counts.any()):
+        width = int(counts.max())
+        if width == 0:
+            if not bool((self.frontier == layer_idx).any()):  # no row at all waits here any more
+                self.waiting_layers.discard(layer_idx)
             return None
         has_pending = counts > 0
         rows, waiting, counts = rows[has_pending], waiting[has_pending], counts[has_pending]
-        width = int(counts.max())
         # Waiting slots first, each group in chronological order (a stable sort of "not waiting").
         order = torch.sort((~waiting).to(torch.int8), dim=-1, stable=True).indices[:, :width]
         valid = torch.arange(width, device=order.device)[None] < counts[:, None]

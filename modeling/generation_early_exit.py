@@ -149,6 +149,12 @@ def check_encoder_parts(parts: set[str], config: PreTrainedConfig) -> None:
         )
 
 
+def new_cache(config: PreTrainedConfig, settings: EarlyExitSettings | None) -> EncoderDecoderCache:
+    """The decoder cache for a call: an `EarlyExitCache` with the call's KV strategy, and the cross-attention cache."""
+    strategy = settings.kv_strategy if settings is not None else EXIT_KNOBS["kv_strategy"]
+    return EncoderDecoderCache(EarlyExitCache(config, strategy), DynamicCache(config=config))
+
+
 @dataclass
 class EarlyExitGenerateOutput(GenerateEncoderDecoderOutput):
     """`generate` output (greedy / sampling) with the layers each token used.
@@ -215,10 +221,7 @@ class EarlyExitGenerationMixin(GenerationMixin):
                     "decodes with its own dynamic EarlyExitCache, which keeps every layer aligned when tokens exit "
                     "early (and, with `kv_strategy='recompute'`, fills skipped layers later)."
                 )
-            strategy = settings.kv_strategy if settings is not None else EXIT_KNOBS["kv_strategy"]
-            model_kwargs["past_key_values"] = EncoderDecoderCache(
-                EarlyExitCache(self.config, strategy), DynamicCache(config=self.config)
-            )
+            model_kwargs["past_key_values"] = new_cache(self.config, settings)
             return
         super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length

@@ -22,14 +22,14 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, ModelOutput, Seq2SeqLMOutput
 
 from .configuration_ofa import PATCH_STEM, RESNET_LAYERS, OFAEarlyExitConfig
 from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitController, ExitState, checked_decision
-from .generation_early_exit import EXIT_KNOBS, EarlyExitGenerationMixin, EarlyExitSettings
+from .generation_early_exit import EXIT_KNOBS, EarlyExitGenerationMixin, EarlyExitSettings, new_cache
 
 # ---------------------------------------------------------------------------------------------------------------
 # Positions
@@ -587,15 +587,16 @@ class OFAEncoder(nn.Module):
                 continue
             state = ExitState(part, count, 0, hidden_states, previous, rows, len(layers), attention_mask=real_tokens)
             stop = checked_decision(controller(state), state, controller)
-            if not bool(stop.any()):
+            stopping = int(stop.sum())
+            if stopping == 0:
                 continue
+            exit_layers[rows[stop]] = count
+            if stopping == len(rows):  # every running row stops here; the states after the loop are theirs
+                break
             if final is None:
                 final = torch.empty_like(states[0])
             final[rows[stop]] = hidden_states[stop]
-            exit_layers[rows[stop]] = count
             keep = ~stop
-            if not bool(keep.any()):
-                return final, states, attentions, exit_layers
             rows, hidden_states, absolute = rows[keep], hidden_states[keep], select_rows(absolute, keep)
             text_buckets, real_tokens = select_rows(text_buckets, keep), select_rows(real_tokens, keep)
         if final is None:
@@ -828,6 +829,10 @@ class OFADecoder(nn.Module):
         cross_bias = cross_bias.masked_fill(padding[:, None, None, :], torch.finfo(cross_bias.dtype).min)
         return self_absolute, buckets, cross_bias
 
+    def layer_self_bias(self, layer_idx: int, self_absolute: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
+        """A layer's self-attention bias: the masked absolute bias plus its relative bias, [R or 1, heads, Q, T]."""
+        return self_absolute + self.token_rel_pos_table_list[layer_idx](buckets).permute(0, 3, 1, 2)
+
     def exit_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits of the exit head for hidden states [..., d]: the shared final LayerNorm and output projection."""
         return self.output_projection(self.layer_norm(hidden_states))
@@ -860,10 +865,9 @@ class OFADecoder(nn.Module):
             encoder_outputs,
             rows,
         )
-        self_bias = self_absolute + self.token_rel_pos_table_list[layer_idx](buckets).permute(0, 3, 1, 2)
         hidden_states, _, _ = self.layers[layer_idx](
             hidden_states,
-            self_bias,
+            self.layer_self_bias(layer_idx, self_absolute, buckets),
             encoder_outputs.last_hidden_state,
             cross_bias,
             past_key_values,
@@ -923,18 +927,18 @@ class OFADecoder(nn.Module):
 
         layers = layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training)
         exit_layers = torch.full((batch,), len(layers), dtype=torch.long, device=input_ids.device)
+        all_rows = torch.arange(batch, device=input_ids.device)
         final, active = None, None  # active: the rows still running (None: all of them)
         query_mask = attention_mask[:, past:] if attention_mask is not None else None
         states, self_attentions, cross_attentions = [hidden_states], [], []
         for count, idx in enumerate(layers, start=1):
+            rows = all_rows if active is None else active.index
             if self_cache is not None and self_cache.frontier is not None:
-                rows = active.index if active is not None else torch.arange(batch, device=input_ids.device)
                 self.catch_up(idx, rows, past_key_values, positions, position_ids, attention_mask, encoder_outputs)
             previous = hidden_states
-            self_bias = self_absolute + self.token_rel_pos_table_list[idx](buckets).permute(0, 3, 1, 2)
             hidden_states, self_weights, cross_weights = self.layers[idx](
                 hidden_states,
-                self_bias,
+                self.layer_self_bias(idx, self_absolute, buckets),
                 encoder_outputs.last_hidden_state,
                 cross_bias,
                 past_key_values,
@@ -948,7 +952,6 @@ class OFADecoder(nn.Module):
             if controller is None or count < exit_settings.min_exit_layer or count == len(layers):
                 continue
 
-            rows = active.index if active is not None else torch.arange(batch, device=input_ids.device)
             state = ExitState(
                 "decoder",
                 count,
@@ -965,26 +968,25 @@ class OFADecoder(nn.Module):
             stopping = int(stop.sum())
             if stopping == 0:
                 continue
-            if stopping == len(rows) and active is None:  # the whole batch stops here: no gathers needed
-                exit_layers.fill_(count)
+            if stopping == len(rows):  # every running row stops here; the states after the loop are theirs
+                exit_layers[rows] = count
                 if self_cache is not None:
-                    self_cache.fill_skipped(idx, None, slots, hidden_states, self.skipped_key_values)
+                    cache_rows = None if active is None else rows  # None: the whole batch, no gathers
+                    self_cache.fill_skipped(idx, cache_rows, slots, hidden_states, self.skipped_key_values)
                 break
-            if final is None:
-                final = torch.empty_like(states[0])
             exiting = rows[stop]
-            final[exiting] = hidden_states[stop]
             exit_layers[exiting] = count
             if self_cache is not None:
                 self_cache.fill_skipped(idx, exiting, slots, hidden_states[stop], self.skipped_key_values)
-            if stopping == len(rows):
-                break
+            if final is None:
+                final = torch.empty_like(states[0])
+            final[exiting] = hidden_states[stop]
             keep = ~stop
             active = ActiveRows.of(rows[keep])
             hidden_states = hidden_states[keep]
             self_absolute, buckets = select_rows(self_absolute, keep), select_rows(buckets, keep)
             cross_bias, query_mask = cross_bias[keep], select_rows(query_mask, keep)
-        if final is not None:  # rows that ran to the end (or, after a break, the last exiting ones again)
+        if final is not None:  # the rows still running at the end, or the last ones to stop
             final[active.index] = hidden_states
         if exit_settings is not None:
             exit_settings.record.decoder_steps.append(exit_layers)
@@ -1121,10 +1123,7 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
                 output_hidden_states=output_hidden_states,
             )
         if use_cache and past_key_values is None:
-            strategy = exit_settings.kv_strategy if exit_settings is not None else "propagate"
-            past_key_values = EncoderDecoderCache(
-                EarlyExitCache(self.config, strategy), DynamicCache(config=self.config)
-            )
+            past_key_values = new_cache(self.config, exit_settings)
         if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
             raise ValueError(f"`past_key_values` must be an EncoderDecoderCache, got {type(past_key_values).__name__}.")
 
