@@ -15,6 +15,7 @@ from .modeling.exit_controllers import (
 )
 from .modeling.generation_early_exit import EarlyExitSettings
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
+from .trainers import EarlyExitTrainer, EarlyExitTrainingArguments
 
 # With the package imported, the Auto classes resolve our model type without remote code.
 AutoConfig.register(OFAEarlyExitConfig.model_type, OFAEarlyExitConfig, exist_ok=True)
@@ -27,6 +28,8 @@ __all__ = [
     "ConfidenceExit",
     "EarlyExitCache",
     "EarlyExitSettings",
+    "EarlyExitTrainer",
+    "EarlyExitTrainingArguments",
     "ExitController",
     "ExitControllerList",
     "ExitState",

@@ -122,6 +122,15 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         encoder_image_exit_threshold / encoder_text_exit_threshold: the same per stream of a decomposed encoder.
         kv_strategy: what skipped decoder layers get in the cache: "propagate", "copy" or "recompute".
         min_exit_layer: the first decoder layer (1-based) a token may exit after.
+
+    Exit heads (trained modules that map a decoder layer's output to the input of the shared final LayerNorm and
+    output projection; with neither field set, every layer uses the shared head directly, as MuE does):
+        exit_adapter_dim: DEED's adaptation modules: a residual bottleneck (LayerNorm, d_model -> this -> d_model)
+            after every decoder layer but the last, before the shared head. None = no adapters.
+        exit_transformer_layers: BLIPEE's exit layers: the 1-based decoder layers (each before the last) that carry
+            an exit transformer layer feeding the shared head; tokens may exit only after these layers. An exit
+            layer reads the keys and values its host layer already computed, so it adds no cache. None = no exit
+            layers.
     """
 
     model_type = "ofa_early_exit"
@@ -176,6 +185,8 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     encoder_text_exit_threshold: float | None = None
     kv_strategy: str = "propagate"
     min_exit_layer: int = 1
+    exit_adapter_dim: int | None = None
+    exit_transformer_layers: list[int] | None = None
 
     use_cache: bool = True
     is_encoder_decoder: bool = True
@@ -197,6 +208,13 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         if name not in PRESETS:
             raise ValueError(f"Unknown OFA preset {name!r}; choose one of {sorted(PRESETS)}.")
         return cls(**{**PRESETS[name], **overrides})
+
+    @property
+    def exit_points(self) -> list[int]:
+        """The 1-based decoder layers a token may exit after (the last layer is the full model, not an exit)."""
+        if self.exit_transformer_layers is not None:
+            return list(self.exit_transformer_layers)
+        return list(range(1, self.decoder_layers))
 
     @property
     def image_feature_dim(self) -> int:
@@ -253,6 +271,18 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         for name in ("encoder_normalize_before", "decoder_normalize_before"):
             if not getattr(self, name):
                 raise ValueError(f"`{name}=False` (post-LN) is not supported: OFA layers are pre-LN.")
+        if self.exit_adapter_dim is not None and self.exit_adapter_dim < 1:
+            raise ValueError(f"`exit_adapter_dim` must be a positive integer or None, got {self.exit_adapter_dim}.")
+        layers = self.exit_transformer_layers
+        if layers is not None:
+            if self.exit_adapter_dim is not None:
+                raise ValueError("Set `exit_adapter_dim` (DEED) or `exit_transformer_layers` (BLIPEE), not both.")
+            increasing = list(layers) == sorted(set(layers))
+            if not layers or not increasing or not 1 <= layers[0] <= layers[-1] < self.decoder_layers:
+                raise ValueError(
+                    "`exit_transformer_layers` must be increasing 1-based decoder layers before the last "
+                    f"(1..{self.decoder_layers - 1}), got {layers}."
+                )
         if self.entangle_position_embedding:
             raise ValueError("`entangle_position_embedding=True` is not supported: OFA keeps positions in the biases.")
 

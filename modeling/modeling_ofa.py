@@ -13,6 +13,7 @@ Two deliberate differences from the official port, both invisible on its inputs:
 - relative-position buckets are computed from position ids instead of stored as 1024x1024 / 1765x1765 buffers.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -273,18 +274,20 @@ def attention(
 class OFAAttention(nn.Module):
     """Multi-head attention with an additive bias and NormFormer's per-head output scale `c_attn`.
 
-    The caller projects (`project_kv`) and caches the keys and values; `forward` attends with them.
+    The caller projects (`project_kv`) and caches the keys and values; `forward` attends with them. Without
+    `key_value_projections` the module only queries keys and values made elsewhere (an exit layer's attention).
     """
 
-    def __init__(self, config: OFAEarlyExitConfig, num_heads: int):
+    def __init__(self, config: OFAEarlyExitConfig, num_heads: int, key_value_projections: bool = True):
         super().__init__()
         self.config = config
         self.num_heads = num_heads
         self.head_dim = config.d_model // num_heads
         self.scaling = (self.head_dim * config.attn_scale_factor) ** -0.5
         self.dropout = config.attention_dropout
-        self.k_proj = nn.Linear(config.d_model, config.d_model)
-        self.v_proj = nn.Linear(config.d_model, config.d_model)
+        if key_value_projections:
+            self.k_proj = nn.Linear(config.d_model, config.d_model)
+            self.v_proj = nn.Linear(config.d_model, config.d_model)
         self.q_proj = nn.Linear(config.d_model, config.d_model)
         self.out_proj = nn.Linear(config.d_model, config.d_model)
         self.c_attn = nn.Parameter(torch.ones(num_heads)) if config.normformer else None
@@ -326,10 +329,18 @@ class OFAEncoderLayer(GradientCheckpointingLayer):
     The decoder layer extends it with a cross-attention block; parameter names match the official checkpoints.
     """
 
-    def __init__(self, config: OFAEarlyExitConfig, layer_idx: int, drop_path_rate: float, num_heads: int, ffn_dim: int):
+    def __init__(
+        self,
+        config: OFAEarlyExitConfig,
+        layer_idx: int,
+        drop_path_rate: float,
+        num_heads: int,
+        ffn_dim: int,
+        key_value_projections: bool = True,
+    ):
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = OFAAttention(config, num_heads)
+        self.self_attn = OFAAttention(config, num_heads, key_value_projections)
         self.self_attn_layer_norm = nn.LayerNorm(config.d_model)
         self.self_attn_mid_layer_norm = optional_layer_norm(config.normformer, config.d_model)
         self.final_layer_norm = nn.LayerNorm(config.d_model)
@@ -360,9 +371,12 @@ class OFAEncoderLayer(GradientCheckpointingLayer):
 class OFADecoderLayer(OFAEncoderLayer):
     """Causal self-attention, cross-attention over the encoder output, FFN; each as a pre-LN NormFormer block."""
 
-    def __init__(self, config: OFAEarlyExitConfig, layer_idx: int, drop_path_rate: float):
-        super().__init__(config, layer_idx, drop_path_rate, config.decoder_attention_heads, config.decoder_ffn_dim)
-        self.cross_attn = OFAAttention(config, config.decoder_attention_heads)
+    def __init__(
+        self, config: OFAEarlyExitConfig, layer_idx: int, drop_path_rate: float, key_value_projections: bool = True
+    ):
+        heads = config.decoder_attention_heads
+        super().__init__(config, layer_idx, drop_path_rate, heads, config.decoder_ffn_dim, key_value_projections)
+        self.cross_attn = OFAAttention(config, heads, key_value_projections)
         self.cross_attn_layer_norm = nn.LayerNorm(config.d_model)
         self.cross_attn_mid_layer_norm = optional_layer_norm(config.normformer, config.d_model)
 
@@ -412,6 +426,56 @@ class OFADecoderLayer(OFAEncoderLayer):
         attn, cross_weights = self.cross_attn(x, cross_bias, key, value, key_rows, output_attentions)
         hidden_states = self.residual(hidden_states, self.cross_attn_mid_layer_norm(attn))
         return self.feed_forward(hidden_states), self_weights, cross_weights
+
+
+class ZeroInitLinear(nn.Linear):
+    """A Linear initialised to zero: the last projection of an exit head's residual branch, so that an untrained
+    exit head is the identity (the shared head alone) and training learns a correction."""
+
+
+class OFAExitAdapter(nn.Module):
+    """DEED's adaptation module: h + up(gelu(down(LN(h)))), mapping a decoder layer's output towards what the
+    shared final head expects. `up` starts at zero, so an untrained adapter is the identity."""
+
+    def __init__(self, config: OFAEarlyExitConfig):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(config.d_model)
+        self.down = nn.Linear(config.d_model, config.exit_adapter_dim)
+        self.up = ZeroInitLinear(config.exit_adapter_dim, config.d_model)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.up(F.gelu(self.down(self.layer_norm(hidden_states))))
+
+
+class OFAExitLayer(OFADecoderLayer):
+    """BLIPEE's exit transformer layer on decoder layer `layer_idx` (0-based host): self-attention, cross-attention
+    and FFN blocks like a decoder layer, whose attention queries the keys and values the host layer computed (its
+    cache entries), so it keeps no cache of its own and works with every `kv_strategy`. The blocks' output
+    projections start at zero, so an untrained exit layer is the identity."""
+
+    def __init__(self, config: OFAEarlyExitConfig, layer_idx: int):
+        super().__init__(config, layer_idx, drop_path_rate=0.0, key_value_projections=False)
+        d_model = config.d_model
+        self.self_attn.out_proj = ZeroInitLinear(d_model, d_model)
+        self.cross_attn.out_proj = ZeroInitLinear(d_model, d_model)
+        self.fc2 = ZeroInitLinear(config.decoder_ffn_dim, d_model)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        self_bias: torch.Tensor,
+        host_key_values: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        cross_bias: torch.Tensor,
+        rows: ActiveRows | None = None,
+    ) -> torch.Tensor:
+        """hidden_states [rows, q, d]: the host layer's output; `host_key_values` its self- and cross-attention
+        keys and values, for the whole batch when `rows` is given, else for these rows."""
+        self_key, self_value, cross_key, cross_value = host_key_values
+        attn, _ = self.self_attn(self.self_attn_layer_norm(hidden_states), self_bias, self_key, self_value, rows)
+        hidden_states = self.residual(hidden_states, self.self_attn_mid_layer_norm(attn))
+        attn, _ = self.cross_attn(self.cross_attn_layer_norm(hidden_states), cross_bias, cross_key, cross_value, rows)
+        hidden_states = self.residual(hidden_states, self.cross_attn_mid_layer_norm(attn))
+        return self.feed_forward(hidden_states)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -736,6 +800,17 @@ class OFAEncoder(nn.Module):
         )
 
 
+@dataclass
+class OFADecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
+    r"""
+    exit_hidden_states (`tuple(torch.FloatTensor)`, with `output_exit_hidden_states=True`):
+        The input of the output projection at each exit point of `config.exit_points`, then at the last layer
+        (`last_hidden_state`): [batch, q, d_model] each, after the shared final LayerNorm.
+    """
+
+    exit_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+
+
 class OFADecoder(nn.Module):
     """Token embeddings -> causal layers with cross-attention -> LayerNorm; `output_projection` is the LM head."""
 
@@ -768,6 +843,15 @@ class OFADecoder(nn.Module):
         )
         self.layer_norm = nn.LayerNorm(d_model)
         self.output_projection = nn.Linear(d_model, config.vocab_size, bias=False)
+        # Exit heads: modules between a layer's output and the shared final LayerNorm + output projection.
+        self.exit_points = {layer: i for i, layer in enumerate(config.exit_points)}  # 1-based layer -> index
+        self.exit_adapters = self.exit_transformer_layers = None
+        if config.exit_adapter_dim is not None:
+            self.exit_adapters = nn.ModuleList(OFAExitAdapter(config) for _ in config.exit_points)
+        elif config.exit_transformer_layers is not None:
+            self.exit_transformer_layers = nn.ModuleList(
+                OFAExitLayer(config, layer - 1) for layer in config.exit_transformer_layers
+            )
 
     def cross_position_keys(self, encoder_outputs: OFAEncoderOutput) -> torch.Tensor:
         """Keys of the cross-attention position bias, [batch, heads, S, head_dim].
@@ -834,8 +918,42 @@ class OFADecoder(nn.Module):
         return self_absolute + self.token_rel_pos_table_list[layer_idx](buckets).permute(0, 3, 1, 2)
 
     def exit_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits of the exit head for hidden states [..., d]: the shared final LayerNorm and output projection."""
+        """Logits of exit-head inputs [..., d]: the shared final LayerNorm and output projection."""
         return self.output_projection(self.layer_norm(hidden_states))
+
+    def exit_hidden_states(
+        self,
+        layer: int,
+        hidden_states: torch.Tensor,
+        layer_input: torch.Tensor,
+        self_bias: torch.Tensor,
+        cross_bias: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        past_key_values: EncoderDecoderCache | None,
+        rows: ActiveRows | None,
+    ) -> torch.Tensor:
+        """The exit head's input after 1-based decoder `layer`, whose output for the running rows is
+        `hidden_states` [rows, q, d]: the output itself (shared head, MuE), its adapter's (DEED) or its exit
+        transformer layer's (BLIPEE). `layer_input`, the biases and the cache are the host layer's."""
+        index = self.exit_points[layer]
+        if self.exit_adapters is not None:
+            return self.exit_adapters[index](hidden_states)
+        if self.exit_transformer_layers is None:
+            return hidden_states
+        host = layer - 1
+        if past_key_values is not None:  # the host just wrote this step's K/V into its entries
+            self_keys = past_key_values.self_attention_cache.layers[host]
+            cross_keys = past_key_values.cross_attention_cache.layers[host]
+            host_key_values = (self_keys.keys, self_keys.values, cross_keys.keys, cross_keys.values)
+        else:
+            rows_source = encoder_hidden_states if rows is None else encoder_hidden_states[rows.index]
+            host_layer = self.layers[host]
+            host_key_values = (
+                *host_layer.self_key_values(layer_input),
+                *host_layer.cross_attn.project_kv(rows_source),
+            )
+            rows = None
+        return self.exit_transformer_layers[index](hidden_states, self_bias, host_key_values, cross_bias, rows)
 
     def skipped_key_values(self, layer_idx: int, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s self-attention K/V of an exited hidden state (`kv_strategy="propagate"`)."""
@@ -885,13 +1003,15 @@ class OFADecoder(nn.Module):
         exit_settings: EarlyExitSettings | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
-    ) -> BaseModelOutputWithPastAndCrossAttentions:
+        output_exit_hidden_states: bool = False,
+    ) -> "OFADecoderOutput":
         """Decode `input_ids` [batch, q], the newest q tokens after the `past_key_values` prefix.
 
         `attention_mask` (optional, [batch, past + q]) marks decoder pads; without it every token is attended.
         With `exit_settings.decoder`, each row stops after the layer its controller picks (all q tokens of a row
         together): it leaves the batch, the layers after run on the remaining rows only, and its output is its
         exit layer's state. The cache then fills the skipped layers by `exit_settings.kv_strategy`.
+        `output_exit_hidden_states` (training the exits) returns every exit head's input after the final LayerNorm.
         """
         self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
         if self_cache is not None and not isinstance(self_cache, EarlyExitCache):
@@ -912,8 +1032,13 @@ class OFADecoder(nn.Module):
                 f"`kv_strategy={exit_settings.kv_strategy!r}` but the cache passed in was built for "
                 f"{self_cache.kv_strategy!r}."
             )
-        if controller is not None and (output_attentions or output_hidden_states):
-            raise ValueError("`output_attentions` / `output_hidden_states` are not available with decoder exits.")
+        if controller is not None and (output_attentions or output_hidden_states or output_exit_hidden_states):
+            raise ValueError(
+                "`output_attentions` / `output_hidden_states` / `output_exit_hidden_states` are not available with "
+                "decoder exits."
+            )
+        if output_exit_hidden_states and self.training and self.config.decoder_layerdrop > 0:
+            raise ValueError("`output_exit_hidden_states` needs every exit layer to run: set `decoder_layerdrop=0`.")
 
         hidden_states = self.embed_tokens(input_ids) * self.embed_scale
         hidden_states = self.dropout(self.layernorm_embedding(hidden_states))  # [batch, q, d]
@@ -930,15 +1055,16 @@ class OFADecoder(nn.Module):
         all_rows = torch.arange(batch, device=input_ids.device)
         final, active = None, None  # active: the rows still running (None: all of them)
         query_mask = attention_mask[:, past:] if attention_mask is not None else None
-        states, self_attentions, cross_attentions = [hidden_states], [], []
+        states, self_attentions, cross_attentions, exit_states = [hidden_states], [], [], []
         for count, idx in enumerate(layers, start=1):
             rows = all_rows if active is None else active.index
             if self_cache is not None and self_cache.frontier is not None:
                 self.catch_up(idx, rows, past_key_values, positions, position_ids, attention_mask, encoder_outputs)
             previous = hidden_states
+            self_bias = self.layer_self_bias(idx, self_absolute, buckets)
             hidden_states, self_weights, cross_weights = self.layers[idx](
                 hidden_states,
-                self.layer_self_bias(idx, self_absolute, buckets),
+                self_bias,
                 encoder_outputs.last_hidden_state,
                 cross_bias,
                 past_key_values,
@@ -949,7 +1075,22 @@ class OFADecoder(nn.Module):
             states.append(hidden_states)
             self_attentions.append(self_weights)
             cross_attentions.append(cross_weights)
-            if controller is None or count < exit_settings.min_exit_layer or count == len(layers):
+            exit_state = functools.cache(  # the exit head's input, computed once, and only if needed
+                functools.partial(
+                    self.exit_hidden_states,
+                    idx + 1,
+                    hidden_states,
+                    previous,
+                    self_bias,
+                    cross_bias,
+                    encoder_outputs.last_hidden_state,
+                    past_key_values,
+                    active,
+                )
+            )
+            if output_exit_hidden_states and idx + 1 in self.exit_points:
+                exit_states.append(self.layer_norm(exit_state()))
+            if controller is None or count < exit_settings.min_exit_layer or count not in self.exit_points:
                 continue
 
             state = ExitState(
@@ -962,7 +1103,7 @@ class OFADecoder(nn.Module):
                 len(layers),
                 exit_settings.max_steps,
                 query_mask,
-                lambda h=hidden_states: self.exit_logits(h[:, -1]),
+                lambda exit_state=exit_state: self.exit_logits(exit_state()[:, -1]),
             )
             stop = checked_decision(controller(state), state, controller)
             stopping = int(stop.sum())
@@ -973,6 +1114,7 @@ class OFADecoder(nn.Module):
                 if self_cache is not None:
                     cache_rows = None if active is None else rows  # None: the whole batch, no gathers
                     self_cache.fill_skipped(idx, cache_rows, slots, hidden_states, self.skipped_key_values)
+                hidden_states = exit_state()
                 break
             exiting = rows[stop]
             exit_layers[exiting] = count
@@ -980,7 +1122,7 @@ class OFADecoder(nn.Module):
                 self_cache.fill_skipped(idx, exiting, slots, hidden_states[stop], self.skipped_key_values)
             if final is None:
                 final = torch.empty_like(states[0])
-            final[exiting] = hidden_states[stop]
+            final[exiting] = exit_state()[stop]
             keep = ~stop
             active = ActiveRows.of(rows[keep])
             hidden_states = hidden_states[keep]
@@ -991,12 +1133,14 @@ class OFADecoder(nn.Module):
         if exit_settings is not None:
             exit_settings.record.decoder_steps.append(exit_layers)
 
-        return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=self.layer_norm(hidden_states if final is None else final),
+        last_hidden_state = self.layer_norm(hidden_states if final is None else final)
+        return OFADecoderOutput(
+            last_hidden_state=last_hidden_state,
             past_key_values=past_key_values,
             hidden_states=tuple(states) if output_hidden_states else None,
             attentions=tuple(self_attentions) if output_attentions else None,
             cross_attentions=tuple(cross_attentions) if output_attentions else None,
+            exit_hidden_states=(*exit_states, last_hidden_state) if output_exit_hidden_states else None,
         )
 
 
@@ -1027,6 +1171,9 @@ class OFAPreTrainedModel(PreTrainedModel):
             init.zeros_(module.weight)
         elif isinstance(module, OFAAttention) and module.c_attn is not None:
             init.ones_(module.c_attn)
+        elif isinstance(module, ZeroInitLinear):
+            init.zeros_(module.weight)
+            init.zeros_(module.bias)
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
@@ -1035,6 +1182,17 @@ def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_to
     shifted[:, 1:] = labels[:, :-1]
     shifted[:, 0] = decoder_start_token_id
     return shifted.masked_fill(shifted == -100, pad_token_id)
+
+
+@dataclass
+class EarlyExitSeq2SeqLMOutput(Seq2SeqLMOutput):
+    r"""
+    exit_hidden_states (`tuple(torch.FloatTensor)`, with `output_exit_hidden_states=True`):
+        The output projection's input at each exit point of `config.exit_points`, then at the last layer:
+        [batch, tgt_len, d_model] each, after the shared final LayerNorm.
+    """
+
+    exit_hidden_states: tuple[torch.FloatTensor, ...] | None = None
 
 
 class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerationMixin):
@@ -1100,8 +1258,13 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_exit_hidden_states: bool = False,
         return_dict: bool | None = None,
-    ) -> Seq2SeqLMOutput | tuple:
+    ) -> "EarlyExitSeq2SeqLMOutput | tuple":
+        """Teacher-forced (or cached, one step of `generate`) pass; `loss` is the final layer's cross-entropy when
+        `labels` are given. `output_exit_hidden_states=True` adds each exit head's input after the final LayerNorm
+        (`exit_hidden_states`; apply `get_output_embeddings()` for that exit's logits), what the exit losses of
+        `EarlyExitTrainer` train on."""
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -1135,13 +1298,14 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
             exit_settings,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            output_exit_hidden_states=output_exit_hidden_states,
         )
         logits = self.decoder.output_projection(decoder_outputs.last_hidden_state)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().to(logits.device), ignore_index=-100)
 
-        output = Seq2SeqLMOutput(
+        output = EarlyExitSeq2SeqLMOutput(
             loss=loss,
             logits=logits,
             past_key_values=decoder_outputs.past_key_values,
@@ -1151,11 +1315,12 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
+            exit_hidden_states=decoder_outputs.exit_hidden_states,
         )
         return output if return_dict else output.to_tuple()
 
 
-__all__ = ["EarlyExitOFAForConditionalGeneration", "OFAPreTrainedModel", "OFAEncoderOutput"]
+__all__ = ["EarlyExitOFAForConditionalGeneration", "EarlyExitSeq2SeqLMOutput", "OFAPreTrainedModel", "OFAEncoderOutput"]
 
 # Saving writes this file beside the weights; `auto_map` then lets AutoModel load it with trust_remote_code=True.
 EarlyExitOFAForConditionalGeneration.register_for_auto_class("AutoModel")

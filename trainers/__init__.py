@@ -1,0 +1,7 @@
+"""Fine-tuning OFA's exits: `EarlyExitTrainer` and its `EarlyExitTrainingArguments`."""
+
+from .discriminator import ExitDiscriminators
+from .early_exit_config import EXIT_LOSSES, EarlyExitTrainingArguments
+from .early_exit_trainer import EarlyExitTrainer
+
+__all__ = ["EXIT_LOSSES", "EarlyExitTrainer", "EarlyExitTrainingArguments", "ExitDiscriminators"]

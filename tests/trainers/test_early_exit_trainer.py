@@ -1,0 +1,294 @@
+"""EarlyExitTrainer: each loss against a hand computation, gradient accumulation, the adversarial step, resume,
+LoRA and bad arguments. (The two-process Accelerate run is in test_distributed.py.)"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_earlyexit import EarlyExitTrainer, EarlyExitTrainingArguments
+from hf_earlyexit.trainers.early_exit_trainer import DISCRIMINATORS_NAME
+
+from tests.helpers import tiny_inputs, tiny_model
+
+DEPTH = 4
+
+
+class TinyCaptions(torch.utils.data.Dataset):
+    """Random image-text pairs whose targets end in padding (-100) of varied length, so token counts differ."""
+
+    def __init__(self, size: int = 8, seed: int = 0, labels: bool = True):
+        inputs = tiny_inputs(batch=size, seed=seed, pad_last=0)
+        generator = torch.Generator().manual_seed(seed)
+        targets = torch.randint(3, 120, (size, 5), generator=generator)
+        for row in range(size):
+            targets[row, 5 - row % 3 :] = -100
+        self.rows = [{name: value[i] for name, value in inputs.items()} for i in range(size)]
+        for row, target in zip(self.rows, targets, strict=True):
+            if labels:
+                row["labels"] = target
+            else:
+                row["decoder_input_ids"] = target.clamp(min=0)
+                row["decoder_attention_mask"] = target.ne(-100).long()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.rows[index]
+
+
+def arguments(tmp_path, **overrides) -> EarlyExitTrainingArguments:
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    return EarlyExitTrainingArguments(**{**settings, **overrides})
+
+
+def trainer_for(tmp_path, model=None, dataset=None, **overrides) -> EarlyExitTrainer:
+    model = model if model is not None else tiny_model(decoder_layers=DEPTH)
+    return EarlyExitTrainer(model=model, args=arguments(tmp_path, **overrides), train_dataset=dataset or TinyCaptions())
+
+
+def batch_of(dataset, size: int = 4) -> dict:
+    return {name: torch.stack([dataset[i][name] for i in range(size)]) for name in dataset[0]}
+
+
+def hand_logits(model, batch) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+    """Each exit's logits and features computed from the decoder's per-layer states, and the last layer's logits."""
+    decoder = model.decoder
+    out = model(**batch, output_hidden_states=True)
+    features = []
+    for layer in model.config.exit_points:
+        state = out.decoder_hidden_states[layer]
+        if decoder.exit_adapters is not None:
+            adapter = decoder.exit_adapters[layer - 1]
+            state = state + adapter.up(F.gelu(adapter.down(adapter.layer_norm(state))))
+        features.append(decoder.layer_norm(state))
+    return [decoder.output_projection(f) for f in features], out.logits, features
+
+
+def mean_cross_entropy(logits, labels, smoothing=0.0):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, label_smoothing=smoothing)
+
+
+def mean_kl(student, teacher, mask, temperature):
+    p = F.softmax(teacher / temperature, dim=-1)
+    kl = F.kl_div(F.log_softmax(student / temperature, dim=-1), p, reduction="none").sum(-1)
+    return temperature**2 * kl[mask].mean()
+
+
+# --- each loss equals the hand computation ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "exit_loss, overrides, weights",
+    [
+        ("layerwise", {}, "uniform"),
+        ("layerwise", {}, "0.5,1,2,3"),
+        ("layerwise", {}, "increasing"),
+        ("deep_supervision", {"exit_adapter_dim": 8}, "increasing"),
+        ("none", {}, "uniform"),
+    ],
+)
+def test_task_losses_equal_a_hand_computation(tmp_path, exit_loss, overrides, weights):
+    model = tiny_model(decoder_layers=DEPTH, **overrides)
+    trainer = trainer_for(tmp_path, model, exit_loss=exit_loss, exit_loss_weights=weights, label_smoothing_factor=0.1)
+    batch = batch_of(TinyCaptions())
+    labels = batch["labels"]
+    exit_logits, final_logits, _ = hand_logits(model, batch)
+    layers = [1, 2, 3, 4] if exit_loss != "none" else [4]
+    terms = [mean_cross_entropy(logits, labels, 0.1) for logits in [*exit_logits, final_logits][-len(layers) :]]
+    w = {"uniform": [1.0] * len(layers), "increasing": [layer / DEPTH for layer in layers]}.get(weights)
+    w = w or [float(x) for x in weights.split(",")]
+    expected = sum(a * b for a, b in zip(w, terms, strict=True))
+    if exit_loss == "deep_supervision":
+        expected = expected / sum(w)
+    model.eval()  # compute_loss outside training: normalised by this batch's tokens, no accumulation scaling
+    torch.testing.assert_close(trainer.compute_loss(model, batch), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_distillation_without_labels_equals_a_hand_computation(tmp_path):
+    model = tiny_model(decoder_layers=DEPTH)
+    dataset = TinyCaptions(labels=False)
+    trainer = trainer_for(tmp_path, model, dataset, exit_loss="distill", distill_temperature=2.0)
+    batch = batch_of(dataset)
+    exit_logits, final_logits, _ = hand_logits(model, batch)
+    mask = batch["decoder_attention_mask"].bool()
+    expected = sum(mean_kl(logits, final_logits, mask, 2.0) for logits in exit_logits)
+    model.eval()
+    torch.testing.assert_close(trainer.compute_loss(model, batch), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_adversarial_loss_equals_a_hand_computation(tmp_path):
+    model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[1, 3])
+    trainer = trainer_for(tmp_path, model, exit_loss="adversarial", adversarial_weight=0.3, freeze_backbone=True)
+    batch = batch_of(TinyCaptions())
+    labels, mask = batch["labels"], batch["labels"].ne(-100)
+    model.eval()
+    out = model(**batch, output_exit_hidden_states=True)
+    expected = 0
+    for features, discriminator in zip(out.exit_hidden_states[:-1], trainer.discriminators.discriminators):
+        logits = model.decoder.output_projection(features)
+        fooled = F.binary_cross_entropy_with_logits(discriminator(features[mask]), torch.ones(int(mask.sum()), 1))
+        expected = expected + mean_cross_entropy(logits, labels) + 0.3 * fooled
+    torch.testing.assert_close(trainer.compute_loss(model, batch), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_exit_layer_features_in_training_equal_those_generate_exits_with(tmp_path):
+    """The teacher-forced exit features (what the losses train) are the ones a forced exit decodes with."""
+    model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2])
+    inputs = tiny_inputs(batch=2, seed=3, pad_last=0)
+    out = model.generate(
+        **inputs, max_new_tokens=5, exit_policy="confidence", exit_threshold=0.0, return_dict_in_generate=True
+    )
+    assert bool((out.exit_layers == 2).all())
+    forward = model(**inputs, decoder_input_ids=out.sequences[:, :-1], output_exit_hidden_states=True)
+    tokens = model.decoder.output_projection(forward.exit_hidden_states[0]).argmax(-1)
+    assert torch.equal(tokens[:, :-1], out.sequences[:, 1:-1])  # the last token is the forced end of sequence
+
+
+# --- the Trainer loop -------------------------------------------------------------------------------------------
+
+
+def test_gradient_accumulation_gives_the_large_batch_update(tmp_path):
+    """Micro-batches with different numbers of target tokens: the loss is normalised by the whole batch's. (SGD:
+    Adam's g / sqrt(v) would blow float noise on near-zero gradients up to full steps.)"""
+    final = []
+    for batch_size, accumulation in ((4, 1), (2, 2)):
+        trainer = trainer_for(
+            tmp_path,
+            max_steps=1,
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            exit_loss_weights="increasing",
+            optim="sgd",
+            learning_rate=0.1,
+        )
+        trainer.train()
+        final.append(dict(trainer.model.named_parameters()))
+    before = dict(tiny_model(decoder_layers=DEPTH).named_parameters())
+    assert not torch.equal(final[0]["decoder.layers.0.fc1.weight"], before["decoder.layers.0.fc1.weight"])
+    for name, parameter in final[0].items():
+        torch.testing.assert_close(parameter, final[1][name], rtol=0, atol=2e-6, msg=name)
+
+
+def test_adversarial_step_trains_exits_and_discriminators_and_leaves_the_frozen_backbone(tmp_path):
+    model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[1, 3])
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = trainer_for(tmp_path, model, exit_loss="adversarial", freeze_backbone=True, gradient_accumulation_steps=2)
+    discriminators_before = [p.detach().clone() for p in trainer.discriminators.parameters()]
+    trainer.train()
+    for name, parameter in model.named_parameters():
+        changed = not torch.equal(parameter, before[name])
+        assert changed == ("exit_transformer_layers" in name), name
+    discriminators = trainer.accelerator.unwrap_model(trainer.discriminators)
+    assert all(not torch.equal(a, b) for a, b in zip(discriminators.parameters(), discriminators_before))
+    logged = trainer.state.log_history[0]
+    for key in ("loss_exit_1", "loss_exit_3", "loss_adv_1", "loss_adv_3", "loss_disc"):
+        assert key in logged and torch.isfinite(torch.tensor(logged[key])), key
+
+
+def test_per_exit_losses_are_logged(tmp_path):
+    trainer = trainer_for(tmp_path)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert {"loss", "loss_exit_1", "loss_exit_2", "loss_exit_3", "loss_final"} <= set(logged)
+    assert logged["loss_exit_1"] > logged["loss_final"] > 0 or logged["loss_exit_1"] > 0
+
+
+def test_resume_from_a_checkpoint_continues_the_same_loss_curve(tmp_path):
+    def run(resume: bool):
+        model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2])
+        trainer = trainer_for(
+            tmp_path,
+            model,
+            exit_loss="adversarial",
+            max_steps=4,
+            save_strategy="steps",
+            save_steps=2,
+            per_device_train_batch_size=2,
+        )
+        trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2") if resume else None)
+        return {entry["step"]: entry for entry in trainer.state.log_history if "loss" in entry}
+
+    straight = run(resume=False)
+    assert (tmp_path / "out" / "checkpoint-2" / DISCRIMINATORS_NAME).is_file()
+    resumed = run(resume=True)
+    for step in (3, 4):
+        for key in ("loss", "loss_exit_2", "loss_adv_2", "loss_disc"):
+            assert resumed[step][key] == pytest.approx(straight[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_lora_model_trains_its_adapters_only(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_model(decoder_layers=DEPTH),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = trainer_for(tmp_path, model)
+    trainer.train()
+    for name, parameter in model.named_parameters():
+        assert (not torch.equal(parameter, before[name])) == ("lora_" in name), name
+    assert "loss_exit_1" in trainer.state.log_history[0]
+
+
+# --- bad arguments ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(exit_loss="early"), "Unknown `exit_loss`"),
+        (dict(exit_loss_weights="1,x"), "comma-separated list"),
+        (dict(exit_loss_weights=[1.0, -1.0]), "non-negative"),
+        (dict(distill_temperature=0.0), "distill_temperature"),
+    ],
+)
+def test_bad_arguments_raise(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        arguments(tmp_path, **overrides)
+
+
+@pytest.mark.parametrize(
+    "config, overrides, message",
+    [
+        ({}, dict(exit_loss_weights="1,1"), "has 2 weights, but exit_loss='layerwise' has 4 loss terms"),
+        ({}, dict(exit_loss="adversarial"), "set `exit_transformer_layers`"),
+        ({}, dict(exit_loss="deep_supervision"), "set `exit_adapter_dim`"),
+        ({}, dict(freeze_backbone=True), "leaves only the exit heads"),
+        ({"exit_adapter_dim": 8}, dict(exit_loss="none", freeze_backbone=True), "leaves only the exit heads"),
+    ],
+)
+def test_arguments_that_do_not_fit_the_model_raise(tmp_path, config, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        trainer_for(tmp_path, tiny_model(decoder_layers=DEPTH, **config), **overrides)
+
+
+def test_task_loss_without_labels_raises(tmp_path):
+    dataset = TinyCaptions(labels=False)
+    trainer = trainer_for(tmp_path, dataset=dataset)
+    with pytest.raises(ValueError, match="needs `labels`"):
+        trainer.compute_loss(trainer.model, batch_of(dataset))
+
+
+def test_resuming_adversarial_training_from_a_checkpoint_without_discriminators_raises(tmp_path):
+    def adversarial_trainer(max_steps: int) -> EarlyExitTrainer:
+        model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2])
+        return trainer_for(
+            tmp_path, model, exit_loss="adversarial", max_steps=max_steps, save_strategy="steps", save_steps=2
+        )
+
+    adversarial_trainer(2).train()
+    (tmp_path / "out" / "checkpoint-2" / DISCRIMINATORS_NAME).unlink()
+    with pytest.raises(ValueError, match=DISCRIMINATORS_NAME):
+        adversarial_trainer(3).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))

@@ -1,0 +1,82 @@
+"""Training arguments of `EarlyExitTrainer`: the Seq2Seq arguments plus the exit loss and its knobs."""
+
+from dataclasses import dataclass, field
+
+from transformers import Seq2SeqTrainingArguments
+
+EXIT_LOSSES = ("layerwise", "deep_supervision", "distill", "adversarial", "none")
+WEIGHTINGS = ("uniform", "increasing")
+
+
+@dataclass
+class EarlyExitTrainingArguments(Seq2SeqTrainingArguments):
+    r"""
+    [`~transformers.Seq2SeqTrainingArguments`] plus how the exits are trained. Label smoothing is the stock
+    `label_smoothing_factor`; it applies to every cross-entropy term.
+
+    exit_loss:
+        - "layerwise" (MuE): the task cross-entropy of every exit and of the last layer, summed with the weights.
+        - "deep_supervision" (DEED): the same terms through DEED's adaptation modules (`exit_adapter_dim` in the
+          config), averaged with the weights.
+        - "distill" (BLIPEE without labels): temperature-scaled KL from the last layer's (detached) distribution to
+          each exit's, summed with the weights; needs no labels.
+        - "adversarial" (BLIPEE): per exit transformer layer (`exit_transformer_layers` in the config), the task term
+          (cross-entropy with labels, KL to the last layer without) plus `adversarial_weight` times the generator's
+          loss against a feature discriminator, which learns in alternation with its own optimizer.
+        - "none": the last layer's cross-entropy alone (plain fine-tuning, the baseline).
+    exit_loss_weights: "uniform" (1 each), "increasing" (layer / decoder_layers) or a comma-separated list, one
+        weight per loss term: each exit of `config.exit_points`, then the last layer for "layerwise" /
+        "deep_supervision" / "none".
+    freeze_backbone: train the exit heads only (adapters or exit transformer layers); the backbone, its final
+        LayerNorm and output projection stay bit-identical.
+    distill_temperature: temperature of the KL terms (scaled by its square, as in Hinton et al.).
+    adversarial_weight: weight of each exit's generator loss in "adversarial".
+    discriminator_hidden_size: hidden width of each exit's feature discriminator (an MLP with one hidden layer).
+    discriminator_learning_rate: AdamW learning rate of the discriminators (constant; they follow gradient
+        accumulation).
+    """
+
+    exit_loss: str = field(default="layerwise", metadata={"help": f"One of {EXIT_LOSSES}."})
+    exit_loss_weights: str = field(
+        default="uniform", metadata={"help": "'uniform', 'increasing' or one comma-separated weight per loss term."}
+    )
+    freeze_backbone: bool = field(default=False, metadata={"help": "Train the exit heads only."})
+    distill_temperature: float = field(default=1.0, metadata={"help": "Temperature of the KL terms."})
+    adversarial_weight: float = field(default=0.1, metadata={"help": "Weight of the generators' adversarial loss."})
+    discriminator_hidden_size: int = field(default=256, metadata={"help": "Hidden width of each discriminator."})
+    discriminator_learning_rate: float = field(default=1e-4, metadata={"help": "Learning rate of the discriminators."})
+
+    def __post_init__(self):
+        if self.exit_loss not in EXIT_LOSSES:
+            raise ValueError(f"Unknown `exit_loss` {self.exit_loss!r}; choose one of {list(EXIT_LOSSES)}.")
+        if isinstance(self.exit_loss_weights, (list, tuple)):
+            self.exit_loss_weights = ",".join(str(weight) for weight in self.exit_loss_weights)
+        if self.exit_loss_weights not in WEIGHTINGS:
+            self.explicit_weights()  # raises on a malformed list
+        if self.distill_temperature <= 0:
+            raise ValueError(f"`distill_temperature` must be positive, got {self.distill_temperature}.")
+        if self.adversarial_weight < 0:
+            raise ValueError(f"`adversarial_weight` must be >= 0, got {self.adversarial_weight}.")
+        if self.discriminator_hidden_size < 1:
+            raise ValueError(f"`discriminator_hidden_size` must be positive, got {self.discriminator_hidden_size}.")
+        if self.discriminator_learning_rate <= 0:
+            raise ValueError(f"`discriminator_learning_rate` must be positive, got {self.discriminator_learning_rate}.")
+        super().__post_init__()
+
+    def explicit_weights(self) -> list[float] | None:
+        """The weights given as a list, or None for "uniform" / "increasing"."""
+        if self.exit_loss_weights in WEIGHTINGS:
+            return None
+        try:
+            weights = [float(weight) for weight in self.exit_loss_weights.split(",")]
+        except ValueError:
+            weights = []
+        if not weights or any(weight < 0 for weight in weights):
+            raise ValueError(
+                f"`exit_loss_weights` must be one of {list(WEIGHTINGS)} or a comma-separated list of non-negative "
+                f"numbers, got {self.exit_loss_weights!r}."
+            )
+        return weights
+
+
+__all__ = ["EXIT_LOSSES", "EarlyExitTrainingArguments"]

@@ -1,0 +1,275 @@
+"""EarlyExitTrainer: trains OFA's exits the way each seed method does, with the stock Trainer loop.
+
+Every loss term is a sum over target tokens, divided by the target tokens of the whole accumulated batch on every
+process (the count the Trainer makes for `num_items_in_batch`), so gradient accumulation and data parallelism give
+the update of one large batch. Each term, as a per-token mean, is logged as `loss_exit_{layer}`,
+`loss_final`, `loss_adv_{layer}` and `loss_disc`.
+
+    layerwise          L = sum_l w_l CE(head(LN(h_l)), y)                      l in exits + last (MuE)
+    deep_supervision   L = sum_l w_l CE(head(LN(adapter_l(h_l))), y) / sum_l w_l                  (DEED)
+    distill            L = sum_e w_e T^2 KL(p_last^T || p_e^T)                  no labels needed
+    adversarial        L = sum_e w_e task_e + a * sum_e BCE(D_e(f_e), real)    task_e = CE with labels, else KL
+                       L_D = sum_e BCE(D_e(f_last), real) + BCE(D_e(f_e), fake), stepped by its own optimizer
+    none               L = CE(head(LN(h_last)), y)
+
+`head` is the shared final LayerNorm + output projection; `f` are the features it reads (after that LayerNorm);
+`w` the `exit_loss_weights`; p^T a softmax at temperature T; the last layer's distribution and features are
+detached wherever they serve as the target.
+"""
+
+import contextlib
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Seq2SeqTrainer
+
+from .discriminator import ExitDiscriminators
+from .early_exit_config import EarlyExitTrainingArguments
+
+# The model's exit-head modules: all that `freeze_backbone` leaves trainable.
+EXIT_HEAD_MODULES = ("exit_adapters", "exit_transformer_layers")
+DISCRIMINATORS_NAME = "discriminators.pt"
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """Sum over the target tokens (labels != -100) of the (smoothed) cross-entropy; logits [B, T, V]."""
+    return F.cross_entropy(
+        logits.float().flatten(0, 1),
+        labels.flatten(),
+        ignore_index=-100,
+        reduction="sum",
+        label_smoothing=label_smoothing,
+    )
+
+
+def distillation_sum(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """Sum over the tokens of `mask` [B, T] of T^2 * KL(softmax(teacher / T) || softmax(student / T))."""
+    teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    student = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    kl = (teacher.exp() * (teacher - student)).sum(dim=-1)  # [B, T]
+    return temperature**2 * (kl * mask).sum()
+
+
+class EarlyExitTrainer(Seq2SeqTrainer):
+    """A `Seq2SeqTrainer` whose loss is `args.exit_loss` (see the module docstring for the math).
+
+    Takes every `Seq2SeqTrainer` argument; `args` must be an [`EarlyExitTrainingArguments`]. The model may be a PEFT
+    model. For "adversarial" the trainer owns the discriminators (`self.discriminators`, outside the model): it
+    prepares them with Accelerate, steps them after each model step and saves them in every checkpoint.
+    """
+
+    # `compute_loss` normalises by the accumulated batch's tokens (or divides by the accumulation steps itself).
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, model: nn.Module | None = None, args: EarlyExitTrainingArguments | None = None, **kwargs):
+        if not isinstance(args, EarlyExitTrainingArguments):
+            raise ValueError(f"`args` must be EarlyExitTrainingArguments, got {type(args).__name__}.")
+        super().__init__(model=model, args=args, **kwargs)
+        # Our forward takes no loss kwargs, but compute_loss does: this makes the Trainer count the label tokens.
+        self.model_accepts_loss_kwargs = True
+        config = self.model.config
+        self.exit_points = config.exit_points
+        self.num_layers = config.decoder_layers
+        self.loss_weights = self.resolve_loss_weights()
+        self.check_exit_heads(config)
+        if args.freeze_backbone:
+            for name, parameter in self.model.named_parameters():
+                parameter.requires_grad_(any(part in name.split(".") for part in EXIT_HEAD_MODULES))
+        self.discriminators = self.discriminator_optimizer = None
+        if args.exit_loss == "adversarial":
+            self.discriminators = ExitDiscriminators(
+                len(self.exit_points), config.d_model, args.discriminator_hidden_size
+            )
+        self._exit_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self._adversarial_features: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # --- set-up checks --------------------------------------------------------------------------------------------
+
+    def loss_layers(self) -> list[int]:
+        """The 1-based decoder layer of each loss term, in the order of `exit_loss_weights`."""
+        if self.args.exit_loss == "none":
+            return [self.num_layers]
+        if self.args.exit_loss in ("layerwise", "deep_supervision"):
+            return [*self.exit_points, self.num_layers]
+        return list(self.exit_points)
+
+    def resolve_loss_weights(self) -> list[float]:
+        layers = self.loss_layers()
+        weights = self.args.explicit_weights()
+        if weights is None:
+            if self.args.exit_loss_weights == "uniform":
+                return [1.0] * len(layers)
+            return [layer / self.num_layers for layer in layers]
+        if len(weights) != len(layers):
+            raise ValueError(
+                f"`exit_loss_weights` has {len(weights)} weights, but exit_loss={self.args.exit_loss!r} has "
+                f"{len(layers)} loss terms (after decoder layers {layers})."
+            )
+        return weights
+
+    def check_exit_heads(self, config) -> None:
+        exit_loss = self.args.exit_loss
+        if exit_loss == "deep_supervision" and config.exit_adapter_dim is None:
+            raise ValueError(
+                "exit_loss='deep_supervision' trains DEED's adaptation modules: set `exit_adapter_dim` in the config."
+            )
+        if exit_loss == "adversarial" and config.exit_transformer_layers is None:
+            raise ValueError(
+                "exit_loss='adversarial' trains BLIPEE's exit layers: set `exit_transformer_layers` in the config."
+            )
+        has_heads = config.exit_adapter_dim is not None or config.exit_transformer_layers is not None
+        if self.args.freeze_backbone and (not has_heads or exit_loss == "none"):
+            raise ValueError(
+                "`freeze_backbone=True` leaves only the exit heads to train: the config needs `exit_adapter_dim` or "
+                "`exit_transformer_layers`, and `exit_loss` must not be 'none'."
+            )
+
+    # --- loss -----------------------------------------------------------------------------------------------------
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        args = self.args
+        labels = inputs.get("labels")
+        if labels is None and args.exit_loss not in ("distill", "adversarial"):
+            raise ValueError(f"exit_loss={args.exit_loss!r} needs `labels`; 'distill' and 'adversarial' do without.")
+        outputs = model(**inputs, output_exit_hidden_states=args.exit_loss != "none")
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+
+        if labels is not None:
+            mask = labels.ne(-100)
+        else:
+            mask = inputs.get("decoder_attention_mask", torch.ones_like(inputs["decoder_input_ids"])).bool()
+        tokens = mask.sum()
+        if labels is not None and num_items_in_batch is not None:  # every process's accumulated batch
+            normaliser = num_items_in_batch
+            # DDP averages the gradients over processes, which the global count already accounted for.
+            scale = self.accelerator.num_processes if model.training and args.average_tokens_across_devices else 1
+        else:
+            normaliser = tokens
+            scale = 1 / self.current_gradient_accumulation_steps if model.training else 1
+
+        # Each term: a sum over the target tokens.
+        terms: dict[str, torch.Tensor] = {}
+        smoothing = args.label_smoothing_factor
+        if args.exit_loss == "none":
+            terms["loss_final"] = cross_entropy_sum(outputs.logits, labels, smoothing)
+        else:
+            exits = outputs.exit_hidden_states  # each exit's features, then the last layer's
+            exit_logits = [head(features) for features in exits[:-1]]
+            teacher = outputs.logits.detach()
+            for layer, logits in zip(self.exit_points, exit_logits, strict=True):
+                if labels is not None and args.exit_loss != "distill":
+                    terms[f"loss_exit_{layer}"] = cross_entropy_sum(logits, labels, smoothing)
+                else:
+                    terms[f"loss_exit_{layer}"] = distillation_sum(logits, teacher, mask, args.distill_temperature)
+            if args.exit_loss in ("layerwise", "deep_supervision"):
+                terms["loss_final"] = cross_entropy_sum(outputs.logits, labels, smoothing)
+
+        loss = sum(weight * term for weight, term in zip(self.loss_weights, terms.values(), strict=True))
+        if args.exit_loss == "deep_supervision":
+            loss = loss / sum(self.loss_weights)
+        if args.exit_loss == "adversarial":
+            real = exits[-1][mask].detach()  # [N, d]: the last layer's features
+            fake = torch.stack([features[mask] for features in exits[:-1]])  # [exits, N, d]
+            # The generators' loss sees the discriminators as constants: no gradient into them, no DDP hook.
+            discriminators = self.accelerator.unwrap_model(self.discriminators)
+            frozen = {name: parameter.detach() for name, parameter in discriminators.named_parameters()}
+            fake_logits = torch.func.functional_call(discriminators, frozen, (fake,))
+            adversarial = F.binary_cross_entropy_with_logits(
+                fake_logits, torch.ones_like(fake_logits), reduction="none"
+            ).sum(dim=-1)  # [exits]
+            for layer, term in zip(self.exit_points, adversarial, strict=True):
+                terms[f"loss_adv_{layer}"] = term
+            loss = loss + args.adversarial_weight * adversarial.sum()
+            if model.training:
+                self._adversarial_features = (real, fake.detach())
+        loss = loss / normaliser * scale
+
+        if model.training:
+            for name, term in terms.items():
+                self._exit_metrics[name].append(term.detach() / tokens.clamp(min=1))
+        return (loss, outputs) if return_outputs else loss
+
+    # --- the discriminators' step -------------------------------------------------------------------------------
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.discriminators is not None:
+            self.discriminator_step()
+        return loss
+
+    def discriminator_step(self) -> None:
+        """One step of the discriminators on the features of the micro-batch just trained (they follow gradient
+        accumulation: the prepared optimizer steps only at the accumulation boundary)."""
+        real, fake = self._adversarial_features
+        self._adversarial_features = None
+        self.discriminators.train()
+        syncing = self.accelerator.sync_gradients
+        with contextlib.nullcontext() if syncing else self.accelerator.no_sync(self.discriminators):
+            real_logits = self.discriminators(real.expand(fake.shape[0], -1, -1))
+            fake_logits = self.discriminators(fake)
+            ones, zeros = torch.ones_like(real_logits), torch.zeros_like(fake_logits)
+            real_loss = F.binary_cross_entropy_with_logits(real_logits, ones, reduction="none").mean(dim=-1)
+            fake_loss = F.binary_cross_entropy_with_logits(fake_logits, zeros, reduction="none").mean(dim=-1)
+            loss = (real_loss + fake_loss).sum()  # per exit a mean over tokens, summed over exits
+            self.accelerator.backward(loss / self.current_gradient_accumulation_steps)
+        self.discriminator_optimizer.step()
+        self.discriminator_optimizer.zero_grad()
+        self._exit_metrics["loss_disc"].append(loss.detach())
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        optimizer = super().create_optimizer(model)
+        if self.discriminators is not None and self.discriminator_optimizer is None:
+            self.discriminators, self.discriminator_optimizer = self.accelerator.prepare(
+                self.discriminators,
+                torch.optim.AdamW(self.discriminators.parameters(), lr=self.args.discriminator_learning_rate),
+            )
+        return optimizer
+
+    # --- checkpoints and logs -------------------------------------------------------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.discriminators is not None and self.args.should_save:
+            state = {
+                "discriminators": self.accelerator.unwrap_model(self.discriminators).state_dict(),
+                "optimizer": self.discriminator_optimizer.state_dict(),
+            }
+            torch.save(state, os.path.join(output_dir, DISCRIMINATORS_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.discriminators is None:
+            return
+        path = os.path.join(checkpoint, DISCRIMINATORS_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(f"{checkpoint} has no {DISCRIMINATORS_NAME}: it was not saved by adversarial training.")
+        state = torch.load(path, map_location=self.args.device, weights_only=True)
+        self.accelerator.unwrap_model(self.discriminators).load_state_dict(state["discriminators"])
+        self.discriminator_optimizer.load_state_dict(state["optimizer"])
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds each loss term's mean since the last log (averaged over processes) to the training logs."""
+        if "loss" in logs and self._exit_metrics:
+            names = sorted(self._exit_metrics)
+            means = torch.stack([torch.stack(self._exit_metrics[name]).mean() for name in names])
+            means = self.accelerator.reduce(means, reduction="mean")
+            logs.update({name: float(value) for name, value in zip(names, means.tolist(), strict=True)})
+            self._exit_metrics.clear()
+        super().log(logs, start_time)
+
+
+__all__ = ["EarlyExitTrainer"]
