@@ -3,10 +3,10 @@
 import json
 
 import pytest
-from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from PIL import Image
 
 from hf_earlyexit.cli import main
+from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from tests.helpers import tiny_model
 
 

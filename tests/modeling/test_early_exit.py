@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from transformers import GenerationConfig
+
 from hf_earlyexit.modeling.early_exit_cache import KV_STRATEGIES
 from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, ExitController, FixedLayerExit
 from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings
-from transformers import GenerationConfig
-
 from tests.helpers import tiny_inputs, tiny_model
 
 DEPTH = 4  # decoder layers of the models here

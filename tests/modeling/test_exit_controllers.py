@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from hf_earlyexit.modeling.exit_controllers import (
     CALMSchedule,
     ConfidenceExit,

@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
-from hf_earlyexit.modeling.modeling_ofa import image_relative_buckets, shift_tokens_right, token_relative_buckets
 from safetensors.torch import load_file
 
 from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from hf_earlyexit.convert import clean_state_dict, infer_config, load_converted_model
+from hf_earlyexit.modeling.modeling_ofa import image_relative_buckets, shift_tokens_right, token_relative_buckets
 from tests.helpers import tiny_inputs, tiny_model
 
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
-from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor, add_ofa_special_tokens
 from PIL import Image
 
+from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor, add_ofa_special_tokens
 from tests.helpers import shared_path
 
 CAPTION_PROMPT = " what does the image describe?"

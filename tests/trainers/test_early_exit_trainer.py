@@ -4,9 +4,9 @@ LoRA and bad arguments. (The two-process Accelerate run is in test_distributed.p
 import pytest
 import torch
 import torch.nn.functional as F
+
 from hf_earlyexit import EarlyExitTrainer, EarlyExitTrainingArguments
 from hf_earlyexit.trainers.early_exit_trainer import DISCRIMINATORS_NAME
-
 from tests.helpers import tiny_inputs, tiny_model
 
 DEPTH = 4
@@ -136,7 +136,7 @@ def test_adversarial_loss_equals_a_hand_computation(tmp_path):
     model.eval()
     out = model(**batch, output_exit_hidden_states=True)
     expected = 0
-    for features, discriminator in zip(out.exit_hidden_states[:-1], trainer.discriminators.discriminators):
+    for features, discriminator in zip(out.exit_hidden_states[:-1], trainer.discriminators.discriminators, strict=True):
         logits = model.decoder.output_projection(features)
         fooled = F.binary_cross_entropy_with_logits(discriminator(features[mask]), torch.ones(int(mask.sum()), 1))
         expected = expected + mean_cross_entropy(logits, labels) + 0.3 * fooled
@@ -191,7 +191,7 @@ def test_adversarial_step_trains_exits_and_discriminators_and_leaves_the_frozen_
         changed = not torch.equal(parameter, before[name])
         assert changed == ("exit_transformer_layers" in name), name
     discriminators = trainer.accelerator.unwrap_model(trainer.discriminators)
-    assert all(not torch.equal(a, b) for a, b in zip(discriminators.parameters(), discriminators_before))
+    assert all(not torch.equal(a, b) for a, b in zip(discriminators.parameters(), discriminators_before, strict=True))
     logged = trainer.state.log_history[0]
     for key in ("loss_exit_1", "loss_exit_3", "loss_adv_1", "loss_adv_3", "loss_disc"):
         assert key in logged and torch.isfinite(torch.tensor(logged[key])), key
