@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
 
@@ -52,8 +53,9 @@ torch.save(outputs, sys.argv[3])
 """
 
 
-def test_remote_code_loads_without_the_package_and_exits_early(tmp_path):
-    model = tiny_model(decoder_layers=4)
+@pytest.mark.parametrize("exit_heads", [{}, {"exit_adapter_dim": 8}, {"exit_transformer_layers": [1, 3]}])
+def test_remote_code_loads_without_the_package_and_exits_early(tmp_path, exit_heads):
+    model = tiny_model(decoder_layers=4, **exit_heads)
     model.generation_config.exit_threshold = 0.5  # a saved default: generate exits without being asked
     inputs = tiny_inputs()
     model.save_pretrained(tmp_path / "model")
