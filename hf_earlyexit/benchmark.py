@@ -6,9 +6,13 @@ layers (truncated). The truncated model is the ideal: no early-exit implementati
 skipped layers, so `realized_over_ideal = truncated time / early-exit time` says how much of the saving the exit
 machinery delivers (1.0 = all of it). The layer-count ratio K / L is reported beside it; it overstates the ideal,
 because the embeddings, the final LayerNorm and the output projection (59k words) run whatever the depth.
+
+`training_step_benchmark` times one training step (forward + backward) of the same model and batch under each exit
+loss, interleaved, to show what training the exits costs against plain fine-tuning.
 """
 
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -40,7 +44,7 @@ def truncated_model(
 
 def random_inputs(config: OFAEarlyExitConfig, batch: int, image_size: int, device, dtype) -> dict:
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(4, 50000, (batch, PROMPT_LENGTH), generator=generator)
+    input_ids = torch.randint(4, min(50000, config.vocab_size), (batch, PROMPT_LENGTH), generator=generator)
     input_ids[:, 0], input_ids[:, -1] = config.bos_token_id, config.eos_token_id
     pixel_values = torch.randn(batch, 3, image_size, image_size, generator=generator)
     return {
@@ -155,6 +159,60 @@ def forced_exit_benchmark(
     return report
 
 
+def training_step_benchmark(
+    preset: str | OFAEarlyExitConfig = "base",
+    exit_losses: tuple[str, ...] = ("none", "layerwise"),
+    batch_size: int = 8,
+    image_size: int = 384,
+    target_length: int = 16,
+    repeats: int = 3,
+) -> dict:
+    """Median seconds of one training step (forward + backward, no optimizer step: that is the same for every
+    loss) per exit loss, on one random batch and one model of `preset` size (a preset name or a config); ratios
+    are against "none"."""
+    from .trainers import EarlyExitTrainer, EarlyExitTrainingArguments
+
+    if "none" not in exit_losses:
+        raise ValueError(f"The exit losses to time must include 'none' (the baseline), got {list(exit_losses)}.")
+    torch.manual_seed(0)
+    config = OFAEarlyExitConfig.from_preset(preset, dropout=0.0) if isinstance(preset, str) else preset
+    model = EarlyExitOFAForConditionalGeneration(config)
+    inputs = random_inputs(config, batch_size, image_size, torch.device("cpu"), torch.float32)
+    labels = torch.randint(
+        4, min(50000, config.vocab_size), (batch_size, target_length), generator=torch.Generator().manual_seed(1)
+    )
+    inputs["labels"] = labels
+    tokens = inputs["labels"].numel()
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainers = {
+            loss: EarlyExitTrainer(
+                model=model,
+                args=EarlyExitTrainingArguments(output_dir=output_dir, exit_loss=loss, report_to="none", use_cpu=True),
+            )
+            for loss in exit_losses
+        }
+
+        def step(trainer: EarlyExitTrainer) -> None:
+            model.zero_grad(set_to_none=True)
+            trainer.training_step(model, inputs, num_items_in_batch=tokens)
+
+        seconds = median_seconds(
+            {loss: lambda trainer=trainer: step(trainer) for loss, trainer in trainers.items()},
+            repeats,
+            torch.device("cpu"),
+        )
+    return {
+        "model": f"OFA-{preset} (random weights)" if isinstance(preset, str) else "the given config (random weights)",
+        "device": f"cpu ({torch.get_num_threads()} threads)",
+        "batch_size": batch_size,
+        "image_size": image_size,
+        "target_tokens": target_length,
+        "repeats": repeats,
+        "seconds_per_step": {loss: round(value, 4) for loss, value in seconds.items()},
+        "ratio_to_none": {loss: round(value / seconds["none"], 3) for loss, value in seconds.items()},
+    }
+
+
 def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str) -> dict:
     scale = 1000.0 if unit == "ms_per_token" else 1.0
     return {
@@ -169,4 +227,4 @@ def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str
     }
 
 
-__all__ = ["forced_exit_benchmark", "truncated_model"]
+__all__ = ["forced_exit_benchmark", "training_step_benchmark", "truncated_model"]

@@ -1,4 +1,4 @@
-"""`hf-earlyexit` command line: convert, caption, demo, bench.
+"""`hf-earlyexit` command line: convert, caption, train, demo, bench.
 
 Every user error (bad path, unreadable image, wrong model folder, bad option) ends in one line on stderr and
 exit status 2, never a traceback.
@@ -151,11 +151,22 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .benchmark import forced_exit_benchmark
+    from .benchmark import forced_exit_benchmark, training_step_benchmark
 
     batch_sizes = tuple(int(size) for size in args.batch_sizes.split(",")) if args.batch_sizes else ()
     if any(size < 1 for size in batch_sizes) or args.repeats < 1 or args.new_tokens < 1:
         raise ValueError("--batch-sizes, --repeats and --new-tokens must be positive.")
+    if args.training_step:
+        report = training_step_benchmark(
+            args.preset,
+            exit_losses=tuple(args.exit_losses.split(",")),
+            batch_size=batch_sizes[0] if batch_sizes else 8,
+            image_size=args.image_size,
+            target_length=args.new_tokens,
+            repeats=args.repeats,
+        )
+        print(json.dumps(report, indent=None if args.json else 2))
+        return
     report = forced_exit_benchmark(
         args.forced_exit,
         preset=args.preset,
@@ -168,6 +179,47 @@ def cmd_bench(args: argparse.Namespace) -> None:
         dtype=args.dtype,
     )
     print(json.dumps(report, indent=None if args.json else 2))
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The data, model and run options of `hf-earlyexit train` and `examples/train_*.py`."""
+    parser.add_argument("--model-dir", help="a saved hf-earlyexit model to start from (default: a small new one)")
+    parser.add_argument(
+        "--dataset",
+        default="easy-vqa",
+        help="'easy-vqa', a save_to_disk folder, 'loader:folder' (imagefolder, parquet, ...) or a data set name",
+    )
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--image-column", default="image")
+    parser.add_argument("--text-column", default="question", help="prompt column ('' = use --prompt for all rows)")
+    parser.add_argument("--target-column", default="answer")
+    parser.add_argument("--prompt", default=" what does the image describe?")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--max-steps", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from .training import fine_tune
+
+    config_fields = {}
+    if args.exit_adapter_dim:
+        config_fields["exit_adapter_dim"] = args.exit_adapter_dim
+    if args.exit_transformer_layers:
+        try:
+            config_fields["exit_transformer_layers"] = [int(x) for x in args.exit_transformer_layers.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--exit-transformer-layers must be comma-separated layers, got {args.exit_transformer_layers!r}."
+            ) from None
+    trainer = fine_tune(
+        args, config_fields, exit_loss=args.exit_loss, freeze_backbone=args.freeze_backbone, disable_tqdm=False
+    )
+    last = [entry for entry in trainer.state.log_history if "loss" in entry][-1]
+    losses = {key: round(value, 4) for key, value in last.items() if key.startswith("loss")}
+    print(f"trained {args.max_steps} steps with exit_loss={args.exit_loss!r}; last logged {losses}")
+    print(f"saved the model and processor to {args.output_dir}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,11 +241,30 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--max-new-tokens", type=int, default=16)
     caption.set_defaults(run=cmd_caption)
 
+    train = commands.add_parser("train", help="train exits on an image-text data set (EarlyExitTrainer)")
+    add_training_arguments(train)
+    train.add_argument(
+        "--exit-loss", default="layerwise", help="layerwise (default), deep_supervision, distill, adversarial or none"
+    )
+    train.add_argument("--exit-adapter-dim", type=int, help="add DEED adaptation modules of this width")
+    train.add_argument("--exit-transformer-layers", help="add BLIPEE exit layers after these decoder layers: 1,2,3")
+    train.add_argument("--freeze-backbone", action="store_true", help="train the exit heads only")
+    train.set_defaults(run=cmd_train)
+
     bench = commands.add_parser(
         "bench",
-        help="time full vs forced-exit vs truncated models in one process (random weights); prints JSON",
+        help="time full vs forced-exit vs truncated models, or a training step per exit loss (random weights); "
+        "prints JSON",
     )
-    bench.add_argument("--forced-exit", type=int, required=True, help="exit every row after this many layers")
+    mode = bench.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--forced-exit", type=int, help="exit every row after this many layers")
+    mode.add_argument(
+        "--training-step",
+        action="store_true",
+        help="time a training step (forward + backward) per exit loss; --batch-sizes' first size is the batch, "
+        "--new-tokens the target length",
+    )
+    bench.add_argument("--exit-losses", default="none,layerwise", help="with --training-step (default none,layerwise)")
     bench.add_argument("--preset", default="base", choices=["tiny", "medium", "base", "large", "huge"])
     bench.add_argument("--batch-sizes", default="1,8", help="decoder batch sizes, comma-separated (default 1,8)")
     bench.add_argument("--encoder-batch-size", type=int, default=1)

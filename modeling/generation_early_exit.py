@@ -192,8 +192,10 @@ class EarlyExitGenerationMixin(GenerationMixin):
             settings = EarlyExitSettings.from_knobs(self.config, max_steps=max_steps, **{**defaults, **knobs})
         settings.start()
         exits = any(getattr(settings, part) is not None for part in EXIT_PARTS)
-        if exits and kwargs.get("use_cache", source.use_cache) is False:
+        if exits and kwargs.get("use_cache") is False:
             raise ValueError("Early exit in `generate` needs `use_cache=True` (skipped layers live in the cache).")
+        if exits:  # a config's `use_cache=False` is a training setting (the Trainer writes it); exits need the cache
+            kwargs["use_cache"] = True
 
         output = super().generate(inputs, generation_config, exit_settings=settings, **kwargs)
         if not isinstance(output, (GenerateEncoderDecoderOutput, GenerateBeamEncoderDecoderOutput)):

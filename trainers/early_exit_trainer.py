@@ -35,25 +35,16 @@ EXIT_HEAD_MODULES = ("exit_adapters", "exit_transformer_layers")
 DISCRIMINATORS_NAME = "discriminators.pt"
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    """Sum over the target tokens (labels != -100) of the (smoothed) cross-entropy; logits [B, T, V]."""
-    return F.cross_entropy(
-        logits.float().flatten(0, 1),
-        labels.flatten(),
-        ignore_index=-100,
-        reduction="sum",
-        label_smoothing=label_smoothing,
-    )
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """Sum over N target tokens of the (smoothed) cross-entropy; logits [N, V], targets [N]."""
+    return F.cross_entropy(logits.float(), targets, reduction="sum", label_smoothing=label_smoothing)
 
 
-def distillation_sum(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """Sum over the tokens of `mask` [B, T] of T^2 * KL(softmax(teacher / T) || softmax(student / T))."""
+def distillation_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Sum over N tokens of T^2 * KL(softmax(teacher / T) || softmax(student / T)); logits [N, V]."""
     teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     student = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    kl = (teacher.exp() * (teacher - student)).sum(dim=-1)  # [B, T]
-    return temperature**2 * (kl * mask).sum()
+    return temperature**2 * (teacher.exp() * (teacher - student)).sum()
 
 
 class EarlyExitTrainer(Seq2SeqTrainer):
@@ -73,6 +64,9 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         super().__init__(model=model, args=args, **kwargs)
         # Our forward takes no loss kwargs, but compute_loss does: this makes the Trainer count the label tokens.
         self.model_accepts_loss_kwargs = True
+        # The Trainer writes `args.use_cache` (False) into the config, which would then be saved with the model;
+        # the losses never use the cache (compute_loss says so), and `generate` after training should.
+        self.model.config.use_cache = True
         config = self.model.config
         self.exit_points = config.exit_points
         self.num_layers = config.decoder_layers
@@ -143,13 +137,15 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         labels = inputs.get("labels")
         if labels is None and args.exit_loss not in ("distill", "adversarial"):
             raise ValueError(f"exit_loss={args.exit_loss!r} needs `labels`; 'distill' and 'adversarial' do without.")
-        outputs = model(**inputs, output_exit_hidden_states=args.exit_loss != "none")
+        outputs = model(**inputs, use_cache=False, output_exit_hidden_states=args.exit_loss != "none")
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
 
+        # The target tokens: every loss reads the exits' features there only, [batch, length] -> [N, ...].
         if labels is not None:
             mask = labels.ne(-100)
         else:
             mask = inputs.get("decoder_attention_mask", torch.ones_like(inputs["decoder_input_ids"])).bool()
+        targets = labels[mask] if labels is not None else None  # [N]
         tokens = mask.sum()
         if labels is not None and num_items_in_batch is not None:  # every process's accumulated batch
             normaliser = num_items_in_batch
@@ -162,26 +158,28 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         # Each term: a sum over the target tokens.
         terms: dict[str, torch.Tensor] = {}
         smoothing = args.label_smoothing_factor
+        final_logits = outputs.logits[mask]  # [N, V]
         if args.exit_loss == "none":
-            terms["loss_final"] = cross_entropy_sum(outputs.logits, labels, smoothing)
+            terms["loss_final"] = cross_entropy_sum(final_logits, targets, smoothing)
         else:
-            exits = outputs.exit_hidden_states  # each exit's features, then the last layer's
-            exit_logits = [head(features) for features in exits[:-1]]
-            teacher = outputs.logits.detach()
-            for layer, logits in zip(self.exit_points, exit_logits, strict=True):
+            exits = [features[mask] for features in outputs.exit_hidden_states]  # each exit's [N, d], then the last's
+            for layer, features in zip(self.exit_points, exits[:-1], strict=True):
+                logits = head(features)
                 if labels is not None and args.exit_loss != "distill":
-                    terms[f"loss_exit_{layer}"] = cross_entropy_sum(logits, labels, smoothing)
+                    terms[f"loss_exit_{layer}"] = cross_entropy_sum(logits, targets, smoothing)
                 else:
-                    terms[f"loss_exit_{layer}"] = distillation_sum(logits, teacher, mask, args.distill_temperature)
+                    terms[f"loss_exit_{layer}"] = distillation_sum(
+                        logits, final_logits.detach(), args.distill_temperature
+                    )
             if args.exit_loss in ("layerwise", "deep_supervision"):
-                terms["loss_final"] = cross_entropy_sum(outputs.logits, labels, smoothing)
+                terms["loss_final"] = cross_entropy_sum(final_logits, targets, smoothing)
 
         loss = sum(weight * term for weight, term in zip(self.loss_weights, terms.values(), strict=True))
         if args.exit_loss == "deep_supervision":
             loss = loss / sum(self.loss_weights)
         if args.exit_loss == "adversarial":
-            real = exits[-1][mask].detach()  # [N, d]: the last layer's features
-            fake = torch.stack([features[mask] for features in exits[:-1]])  # [exits, N, d]
+            real = exits[-1].detach()  # [N, d]: the last layer's features
+            fake = torch.stack(exits[:-1])  # [exits, N, d]
             # The generators' loss sees the discriminators as constants: no gradient into them, no DDP hook.
             discriminators = self.accelerator.unwrap_model(self.discriminators)
             frozen = {name: parameter.detach() for name, parameter in discriminators.named_parameters()}

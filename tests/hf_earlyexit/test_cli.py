@@ -8,6 +8,9 @@ from PIL import Image
 from hf_earlyexit.cli import main
 from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from tests.helpers import tiny_model
+from tests.hf_earlyexit.test_data import shapes_dataset
+
+TRAIN = ["train", "--max-steps", "1", "--batch-size", "2", "--dataset"]
 
 
 @pytest.fixture
@@ -53,13 +56,24 @@ def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_to
         (lambda d, t: ["convert", "--from", str(t / "nowhere"), "--to", str(t / "out")], "No checkpoint"),
         (lambda d, t: ["bench", "--forced-exit", "4", "--preset", "tiny"], "--forced-exit"),
         (lambda d, t: ["bench", "--forced-exit", "1", "--batch-sizes", "0"], "positive"),
+        (lambda d, t: ["bench", "--training-step", "--exit-losses", "layerwise"], "must include 'none'"),
+        (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--exit-loss", "early"], "exit_loss"),
+        (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--target-column", "x"], "no column"),
+        (lambda d, t: [*TRAIN, str(t / "nowhere"), "--output-dir", str(t / "o")], "nowhere"),
+        (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--model-dir", str(t)], "no config"),
+        (
+            lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--exit-transformer-layers", "a"],
+            "comma-separated",
+        ),
     ],
 )
 def test_user_errors_are_one_line(tmp_path, capsys, make_argv, message):
+    shapes_dataset(2).save_to_disk(tmp_path / "shapes")
     (tmp_path / "not_image.png").write_text("this is not a png")
     Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
     (tmp_path / "other_model").mkdir()
     (tmp_path / "other_model" / "config.json").write_text('{"model_type": "bert"}')
+    capsys.readouterr()  # drop the set-up's progress bars
     assert main(make_argv(None, tmp_path)) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-earlyexit: error: ") and message in err and len(err.strip().splitlines()) == 1
@@ -75,6 +89,27 @@ def test_bench_prints_json_with_realized_and_ideal_speedups(capsys):
         row = report["decoder"]["batch_2"][strategy]
         assert row["layer_count_speedup"] == 4.0  # OFA-tiny has 4 decoder layers
         assert row["realized_over_ideal"] == round(row["truncated_ms_per_token"] / row["early_exit_ms_per_token"], 3)
+
+
+def test_bench_training_step_times_each_exit_loss(capsys):
+    argv = ["bench", "--training-step", "--preset", "tiny", "--image-size", "32", "--batch-sizes", "1"]
+    assert main([*argv, "--new-tokens", "2", "--repeats", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["seconds_per_step"]) == {"none", "layerwise"} and report["ratio_to_none"]["none"] == 1.0
+    assert report["ratio_to_none"]["layerwise"] > 0
+
+
+@pytest.mark.parametrize("exit_heads", [[], ["--exit-adapter-dim", "8", "--exit-loss", "deep_supervision"]])
+def test_train_saves_a_model_that_loads_with_its_exit_heads(tmp_path, capsys, exit_heads):
+    from transformers import AutoModel
+
+    shapes_dataset().save_to_disk(tmp_path / "shapes")
+    argv = [*TRAIN, str(tmp_path / "shapes"), "--output-dir", str(tmp_path / "trained"), *exit_heads]
+    assert main(argv) == 0
+    assert "saved the model and processor" in capsys.readouterr().out
+    model = AutoModel.from_pretrained(tmp_path / "trained", trust_remote_code=True)
+    assert model.config.exit_adapter_dim == (8 if exit_heads else None)
+    assert (tmp_path / "trained" / "processor_config.json").is_file()
 
 
 def test_demo_runs_end_to_end_and_shows_exit_layers(bart_tokenizer_dir, tmp_path, monkeypatch, capsys):

@@ -349,3 +349,16 @@ def test_reused_settings_start_afresh_and_encoder_outputs_can_be_passed_in(model
         return_dict_in_generate=True,
     )
     assert torch.equal(out.exit_layers, first.exit_layers) and out.encoder_exit_layers is None
+
+
+def test_a_config_saying_use_cache_false_still_exits_with_the_cache(model):
+    """The Trainer writes `use_cache=False` into configs; exits need the cache, so only an explicit False refuses."""
+    inputs = batch_of(2)
+    reference = generate(model, inputs, "greedy", exit_controller=mixed_exits())
+    model.config.use_cache = False
+    try:
+        out = generate(model, inputs, "greedy", exit_controller=mixed_exits())
+    finally:
+        model.config.use_cache = True
+    assert torch.equal(out.sequences, reference.sequences)
+    assert torch.equal(out.exit_layers, reference.exit_layers)

@@ -205,6 +205,17 @@ def test_per_exit_losses_are_logged(tmp_path):
     assert logged["loss_exit_1"] > logged["loss_final"] > 0 or logged["loss_exit_1"] > 0
 
 
+def test_a_trained_model_generates_with_exits_and_saves_use_cache(tmp_path):
+    trainer = trainer_for(tmp_path)
+    trainer.train()
+    trainer.save_model()
+    assert trainer.model.config.use_cache is True  # the Trainer sets False; saved, it would slow plain generate
+    out = trainer.model.generate(
+        **tiny_inputs(batch=2), max_new_tokens=4, exit_threshold=0.5, return_dict_in_generate=True
+    )
+    assert out.exit_layers.shape == (2, out.sequences.shape[1] - 1)
+
+
 def test_resume_from_a_checkpoint_continues_the_same_loss_curve(tmp_path):
     def run(resume: bool):
         model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2])

@@ -1,0 +1,24 @@
+"""BLIPEE without labels: exit transformer layers learn the frozen final layer's distribution (temperature-scaled
+KL). No answer needs to be right: the target column only feeds the decoder (the model's own captions will do).
+
+    python examples/train_blipee_distill.py --model-dir out/ofa-finetuned --output-dir out/blipee-kd
+"""
+
+import argparse
+
+from hf_earlyexit.cli import add_training_arguments
+from hf_earlyexit.training import fine_tune
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_training_arguments(parser)
+    parser.add_argument("--exit-layers", default="1,2,3", help="decoder layers that get an exit layer")
+    parser.add_argument("--temperature", type=float, default=2.0)
+    options = parser.parse_args()
+    fine_tune(
+        options,
+        {"exit_transformer_layers": [int(layer) for layer in options.exit_layers.split(",")]},
+        exit_loss="distill",
+        distill_temperature=options.temperature,
+        freeze_backbone=True,
+    )

@@ -1,0 +1,17 @@
+"""DEED: deep supervision of every decoder layer through small adaptation modules before the shared head; at
+inference the head's confidence decides per token, and `kv_strategy="recompute"` completes skipped layers later.
+
+    python examples/train_deed_deep_supervision.py --output-dir out/deed --max-steps 3000 --learning-rate 1e-3
+"""
+
+import argparse
+
+from hf_earlyexit.cli import add_training_arguments
+from hf_earlyexit.training import fine_tune
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_training_arguments(parser)
+    parser.add_argument("--adapter-dim", type=int, default=64, help="bottleneck width of the adaptation modules")
+    options = parser.parse_args()
+    fine_tune(options, {"exit_adapter_dim": options.adapter_dim}, exit_loss="deep_supervision")

@@ -1,0 +1,119 @@
+"""Image-text data for training exits: easy-VQA, a user's own data set by column names, a small tokenizer trained
+on a data set's text, and the collator that turns rows into model inputs with labels."""
+
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from PIL import Image
+from transformers import BartTokenizer, PreTrainedTokenizerBase
+
+SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # ids 0..4, as OFA's BART BPE (bos 0, pad 1, eos 2)
+
+
+def easy_vqa(split: str = "train") -> datasets.Dataset:
+    """easy-VQA (Victor Zhou, MIT; the `easy-vqa` package): 64x64 images of one coloured shape, with questions about
+    its shape, colour or presence and 13 answers. Columns: `image` (PIL), `question`, `answer`, `image_id`.
+    Splits "train" (38,575 questions on 4,000 images) and "test" (9,673 on 1,000)."""
+    import easy_vqa as source
+
+    loaders = {
+        "train": (source.get_train_questions, source.get_train_image_paths),
+        "test": (source.get_test_questions, source.get_test_image_paths),
+    }
+    if split not in loaders:
+        raise ValueError(f"easy-VQA has splits {list(loaders)}, got {split!r}.")
+    get_questions, get_paths = loaders[split]
+    questions, answers, image_ids = get_questions()
+    paths = get_paths()
+    table = {
+        "image": [paths[image_id] for image_id in image_ids],
+        "question": questions,
+        "answer": answers,
+        "image_id": image_ids,
+    }
+    return datasets.Dataset.from_dict(table).cast_column("image", datasets.Image())
+
+
+def load_image_text_dataset(source: str, split: str = "train", columns: Iterable[str] = ()) -> datasets.Dataset:
+    """A split of a data set: a folder written by `save_to_disk`, a loader with a local folder (`"imagefolder"`,
+    `"parquet"`, ...: give `source` as `loader:path`) or a name `datasets.load_dataset` resolves. Raises ValueError
+    when a column in `columns` is missing."""
+    path = Path(source)
+    if path.is_dir() and any((path / name).exists() for name in ("dataset_dict.json", "state.json")):
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ValueError(f"{source} has splits {list(loaded)}, not {split!r}.")
+            loaded = loaded[split]
+    elif ":" in source and Path(source.split(":", 1)[1]).exists():
+        loader, data_dir = source.split(":", 1)
+        loaded = datasets.load_dataset(loader, data_dir=data_dir, split=split)
+    else:
+        loaded = datasets.load_dataset(source, split=split)
+    missing = [column for column in columns if column and column not in loaded.column_names]
+    if missing:
+        raise ValueError(f"{source} has no column(s) {missing}; its columns are {loaded.column_names}.")
+    return loaded
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 600) -> PreTrainedTokenizerBase:
+    """A byte-level BPE (the kind OFA's BART tokenizer is) trained on `texts`, with OFA's special-token ids."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
+    with tempfile.TemporaryDirectory() as folder:
+        bpe.save_model(folder)
+        return BartTokenizer.from_pretrained(folder)
+
+
+def prompt_text(text: str) -> str:
+    """OFA's prompts and targets start with a space (BPE words carry their leading space)."""
+    return text if text.startswith(" ") else " " + text
+
+
+@dataclass
+class ImageTextCollator:
+    """Rows of an image-text data set -> `input_ids`, `attention_mask`, `pixel_values` and `labels` (the target's
+    tokens then `</s>`, padding as -100).
+
+    processor: an `OFAProcessor`.
+    image_column: a PIL image or a path per row.
+    text_column: the prompt per row (a question); None uses `prompt` for every row (captioning).
+    target_column: the answer or caption per row; a list of strings takes the first.
+    """
+
+    processor: Any
+    image_column: str = "image"
+    text_column: str | None = "question"
+    target_column: str = "answer"
+    prompt: str = " what does the image describe?"
+    max_target_length: int = 32
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        images = [row[self.image_column] for row in rows]
+        images = [Image.open(image) if isinstance(image, str) else image for image in images]
+        images = [image.convert("RGB") for image in images]
+        prompts = [prompt_text(row[self.text_column] if self.text_column else self.prompt) for row in rows]
+        targets = [row[self.target_column] for row in rows]
+        targets = [prompt_text(target[0] if isinstance(target, list) else target) for target in targets]
+        batch = self.processor(images=images, text=prompts, return_tensors="pt")
+        tokens = self.processor.tokenizer(
+            targets,
+            padding=True,
+            truncation=True,
+            max_length=self.max_target_length + 1,
+            padding_side="right",
+            return_tensors="pt",
+        )
+        labels = tokens["input_ids"][:, 1:]  # drop <s>: the decoder starts from it
+        batch["labels"] = labels.masked_fill(tokens["attention_mask"][:, 1:] == 0, -100)
+        return dict(batch)
+
+
+__all__ = ["ImageTextCollator", "easy_vqa", "load_image_text_dataset", "train_tokenizer"]

@@ -1,0 +1,109 @@
+"""Training runs around `EarlyExitTrainer`: a small OFA built from scratch on a data set's text, one call that
+trains exits on any image-text data set by column names, and the run behind `hf-earlyexit train` and the scripts in
+`examples/` (their options: `hf_earlyexit.cli.add_training_arguments`)."""
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from .data import ImageTextCollator, easy_vqa, load_image_text_dataset, train_tokenizer
+from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
+from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
+from .trainers import EarlyExitTrainer, EarlyExitTrainingArguments
+
+# A small OFA for 64x64 images (4x4 patches from the light stem); positions and buckets sized for short texts.
+SMALL_OFA = dict(
+    d_model=128,
+    encoder_layers=4,
+    decoder_layers=4,
+    encoder_ffn_dim=512,
+    decoder_ffn_dim=512,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    resnet_type="patch",
+    max_position_embeddings=64,
+    token_bucket_size=16,
+    image_bucket_size=8,
+)
+
+
+def small_model_and_processor(
+    texts: list[str], image_size: int = 64, vocab_size: int = 600, seed: int = 0, **config_overrides
+) -> tuple[EarlyExitOFAForConditionalGeneration, OFAProcessor]:
+    """A randomly initialised small OFA-EE and its processor, with a BPE tokenizer trained on `texts`."""
+    import torch
+
+    tokenizer = train_tokenizer(texts, vocab_size=vocab_size)
+    config = OFAEarlyExitConfig(**{**SMALL_OFA, "vocab_size": len(tokenizer), **config_overrides})
+    torch.manual_seed(seed)
+    model = EarlyExitOFAForConditionalGeneration(config)
+    processor = OFAProcessor(OFAImageProcessor(size={"height": image_size, "width": image_size}), tokenizer)
+    return model, processor
+
+
+def train_exits(
+    model: Any,
+    processor: OFAProcessor,
+    train_dataset: datasets.Dataset,
+    args: EarlyExitTrainingArguments,
+    image_column: str = "image",
+    text_column: str | None = "question",
+    target_column: str = "answer",
+    prompt: str = " what does the image describe?",
+    **trainer_kwargs,
+) -> EarlyExitTrainer:
+    """Train `model`'s exits with `args.exit_loss` on `train_dataset` (columns by name) and return the trainer."""
+    missing = [c for c in (image_column, text_column, target_column) if c and c not in train_dataset.column_names]
+    if missing:
+        raise ValueError(f"The data set has no column(s) {missing}; its columns are {train_dataset.column_names}.")
+    args.remove_unused_columns = False  # the collator reads the raw image and text columns
+    collator = ImageTextCollator(processor, image_column, text_column, target_column, prompt)
+    trainer = EarlyExitTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        data_collator=collator,
+        processing_class=processor,
+        **trainer_kwargs,
+    )
+    trainer.train()
+    return trainer
+
+
+def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **training_arguments) -> EarlyExitTrainer:
+    """Load the data set and the model (`config_fields` add exit heads), train with `training_arguments` (those of
+    `EarlyExitTrainingArguments`), and save the model and processor to `options.output_dir`."""
+    from transformers import AutoModel, AutoProcessor
+
+    text_column = options.text_column or None
+    columns = (options.image_column, text_column, options.target_column)
+    if options.dataset == "easy-vqa":
+        dataset = easy_vqa(options.split)
+    else:
+        dataset = load_image_text_dataset(options.dataset, options.split, columns)
+    if options.model_dir:
+        if not (Path(options.model_dir) / "config.json").is_file():
+            raise ValueError(f"{options.model_dir} is not a model folder (no config.json).")
+        model = AutoModel.from_pretrained(options.model_dir, trust_remote_code=True, **config_fields)
+        processor = AutoProcessor.from_pretrained(options.model_dir, trust_remote_code=True)
+    else:
+        texts = [text for column in columns[1:] if column for text in dataset[column] if isinstance(text, str)]
+        model, processor = small_model_and_processor(texts, **config_fields)
+    args = EarlyExitTrainingArguments(
+        output_dir=options.output_dir,
+        max_steps=options.max_steps,
+        per_device_train_batch_size=options.batch_size,
+        learning_rate=options.learning_rate,
+        logging_steps=max(1, options.max_steps // 20),
+        save_strategy="no",
+        report_to="none",
+        **training_arguments,
+    )
+    trainer = train_exits(model, processor, dataset, args, *columns, prompt=options.prompt)
+    trainer.save_model()
+    return trainer
+
+
+__all__ = ["SMALL_OFA", "fine_tune", "small_model_and_processor", "train_exits"]

@@ -1,0 +1,96 @@
+"""Image-text data: easy-VQA, a user's data set by path and columns, the tokenizer and the collator."""
+
+import datasets
+import pytest
+import torch
+from PIL import Image
+
+from hf_earlyexit.data import ImageTextCollator, easy_vqa, load_image_text_dataset, train_tokenizer
+from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
+
+
+def shapes_dataset(size: int = 8) -> datasets.Dataset:
+    colours = {"red": (200, 30, 30), "blue": (30, 60, 200)}
+    rows = {"image": [], "question": [], "answer": []}
+    for i in range(size):
+        colour = list(colours)[i % 2]
+        rows["image"].append(Image.new("RGB", (64, 64), colours[colour]))
+        rows["question"].append("what color is the image?")
+        rows["answer"].append(colour)
+    return datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image())
+
+
+@pytest.fixture(scope="module")
+def processor() -> OFAProcessor:
+    tokenizer = train_tokenizer(["what color is the image?", " red", " blue", "a blue circle"], vocab_size=300)
+    return OFAProcessor(OFAImageProcessor(size={"height": 64, "width": 64}), tokenizer)
+
+
+def test_easy_vqa_is_the_published_split_with_images():
+    test = easy_vqa("test")
+    assert len(test) == 9673 and test.column_names == ["image", "question", "answer", "image_id"]
+    assert test[0]["image"].size == (64, 64)
+    assert set(test["answer"]) <= {"circle", "green", "red", "gray", "yes", "teal", "black", "rectangle", "yellow",
+                                   "triangle", "brown", "blue", "no"}  # fmt: skip
+    with pytest.raises(ValueError, match="splits"):
+        easy_vqa("validation")
+
+
+def test_trained_tokenizer_has_ofa_special_ids(processor):
+    tokenizer = processor.tokenizer
+    assert (tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+    assert tokenizer.decode(tokenizer(" blue")["input_ids"], skip_special_tokens=True) == " blue"
+
+
+def test_collator_makes_labels_from_the_target_with_end_of_sequence(processor):
+    batch = ImageTextCollator(processor)([shapes_dataset()[i] for i in range(2)])
+    assert batch["pixel_values"].shape == (2, 3, 64, 64)
+    blue = processor.tokenizer(" blue")["input_ids"][1:]  # the word then </s>
+    red = processor.tokenizer(" red")["input_ids"][1:]
+    assert batch["labels"][0, : len(red)].tolist() == red and batch["labels"][1, : len(blue)].tolist() == blue
+    assert bool((batch["labels"][batch["labels"] < 0] == -100).all())
+    assert processor.batch_decode(batch["input_ids"], skip_special_tokens=True)[0] == " what color is the image?"
+
+
+def test_collator_uses_the_fixed_prompt_without_a_text_column(processor):
+    collator = ImageTextCollator(
+        processor, text_column=None, target_column="answer", prompt=" what does the image describe?"
+    )
+    batch = collator([shapes_dataset()[0]])
+    assert processor.batch_decode(batch["input_ids"], skip_special_tokens=True) == [" what does the image describe?"]
+
+
+def test_load_image_text_dataset_from_disk_and_by_loader(tmp_path):
+    shapes_dataset().save_to_disk(tmp_path / "saved")
+    assert len(load_image_text_dataset(str(tmp_path / "saved"), columns=["image", "answer"])) == 8
+    datasets.DatasetDict({"train": shapes_dataset(4)}).save_to_disk(tmp_path / "dict")
+    assert len(load_image_text_dataset(str(tmp_path / "dict"), "train")) == 4
+    shapes_dataset(6).to_parquet(tmp_path / "parquet" / "train.parquet")
+    loaded = load_image_text_dataset(f"parquet:{tmp_path / 'parquet'}", "train")
+    assert len(loaded) == 6 and isinstance(loaded[0]["image"], Image.Image)
+
+
+def test_load_image_text_dataset_names_missing_columns_and_splits(tmp_path):
+    shapes_dataset().save_to_disk(tmp_path / "saved")
+    with pytest.raises(ValueError, match=r"no column\(s\) \['caption'\]; its columns are"):
+        load_image_text_dataset(str(tmp_path / "saved"), columns=["image", "caption"])
+    datasets.DatasetDict({"train": shapes_dataset(4)}).save_to_disk(tmp_path / "dict")
+    with pytest.raises(ValueError, match="not 'test'"):
+        load_image_text_dataset(str(tmp_path / "dict"), "test")
+
+
+def test_small_model_trains_on_a_data_set_by_column_names(tmp_path, processor):
+    from hf_earlyexit import EarlyExitTrainingArguments
+    from hf_earlyexit.training import small_model_and_processor, train_exits
+
+    model, processor = small_model_and_processor(["what color is the image?", "red", "blue"], vocab_size=300)
+    args = EarlyExitTrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to="none", use_cpu=True,
+        logging_steps=1, disable_tqdm=True,
+    )  # fmt: skip
+    before = model.decoder.layers[0].fc1.weight.detach().clone()
+    trainer = train_exits(model, processor, shapes_dataset(), args)
+    assert not torch.equal(before, model.decoder.layers[0].fc1.weight)
+    assert "loss_exit_1" in trainer.state.log_history[0]
+    with pytest.raises(ValueError, match="no column"):
+        train_exits(model, processor, shapes_dataset(), args, target_column="caption")
