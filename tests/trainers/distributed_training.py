@@ -12,9 +12,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for tests.helpers
 
-from hf_earlyexit import EarlyExitTrainer, EarlyExitTrainingArguments  # noqa: E402
+from hf_earlyexit import EarlyExitTrainer  # noqa: E402
 from tests.helpers import tiny_model  # noqa: E402
-from tests.trainers.test_early_exit_trainer import TinyCaptions  # noqa: E402
+from tests.trainers.test_early_exit_trainer import TinyCaptions, arguments  # noqa: E402
 
 
 class RecordingHub:
@@ -40,19 +40,11 @@ def digest(module: torch.nn.Module) -> str:
 def main(out_dir: Path) -> None:
     model = tiny_model(decoder_layers=4, exit_transformer_layers=[1, 3])
     initial = digest(model)
-    args = EarlyExitTrainingArguments(
-        output_dir=str(out_dir / "run"),
+    args = arguments(
+        out_dir,
         exit_loss="adversarial",
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
-        max_steps=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
         hub_model_id="someone/tiny-ofa-ee",
     )
     trainer = EarlyExitTrainer(model=model, args=args, train_dataset=TinyCaptions(size=16))
