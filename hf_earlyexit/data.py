@@ -15,10 +15,8 @@ from transformers import BartTokenizer, PreTrainedTokenizerBase
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # ids 0..4, as OFA's BART BPE (bos 0, pad 1, eos 2)
 
 
-def easy_vqa(split: str = "train") -> datasets.Dataset:
-    """easy-VQA (Victor Zhou, MIT; the `easy-vqa` package): 64x64 images of one coloured shape, with questions about
-    its shape, colour or presence and 13 answers. Columns: `image` (PIL), `question`, `answer`, `image_id`.
-    Splits "train" (38,575 questions on 4,000 images) and "test" (9,673 on 1,000)."""
+def easy_vqa_split(split: str) -> tuple[list[str], list[str], list[int], dict[int, str]]:
+    """The raw easy-VQA split (the `easy-vqa` package): questions, answers, image ids and each image's PNG path."""
     import easy_vqa as source
 
     loaders = {
@@ -29,12 +27,45 @@ def easy_vqa(split: str = "train") -> datasets.Dataset:
         raise ValueError(f"easy-VQA has splits {list(loaders)}, got {split!r}.")
     get_questions, get_paths = loaders[split]
     questions, answers, image_ids = get_questions()
-    paths = get_paths()
+    return questions, answers, image_ids, get_paths()
+
+
+def easy_vqa(split: str = "train") -> datasets.Dataset:
+    """easy-VQA (Victor Zhou, MIT): 64x64 images of one coloured shape, with questions about its shape, colour or
+    presence and 13 answers. Columns: `image` (PIL), `question`, `answer`, `image_id`. Splits "train" (38,575
+    questions on 4,000 images) and "test" (9,673 on 1,000)."""
+    questions, answers, image_ids, paths = easy_vqa_split(split)
     table = {
         "image": [paths[image_id] for image_id in image_ids],
         "question": questions,
         "answer": answers,
         "image_id": image_ids,
+    }
+    return datasets.Dataset.from_dict(table).cast_column("image", datasets.Image())
+
+
+EASY_VQA_SHAPES = ("circle", "rectangle", "triangle")
+
+
+def easy_vqa_captions(split: str = "train") -> datasets.Dataset:
+    """One caption per easy-VQA image, "a blue rectangle", from the colour and shape its questions' answers give
+    (images whose questions give only one of them are left out). Columns: `image`, `caption`, `image_id`."""
+    questions, answers, image_ids, paths = easy_vqa_split(split)
+    colours: dict[int, str] = {}
+    shapes: dict[int, str] = {}
+    for question, answer, image_id in zip(questions, answers, image_ids, strict=True):
+        named_shape = next((shape for shape in EASY_VQA_SHAPES if f" {shape}" in question), None)
+        if question.startswith(("what color", "what is the color")):
+            colours[image_id] = answer
+            if named_shape:
+                shapes[image_id] = named_shape
+        elif question.startswith(("what shape", "what is the")):
+            shapes[image_id] = answer
+    known = sorted(set(colours) & set(shapes))
+    table = {
+        "image": [paths[image_id] for image_id in known],
+        "caption": [f"a {colours[image_id]} {shapes[image_id]}" for image_id in known],
+        "image_id": known,
     }
     return datasets.Dataset.from_dict(table).cast_column("image", datasets.Image())
 
@@ -116,4 +147,4 @@ class ImageTextCollator:
         return dict(batch)
 
 
-__all__ = ["ImageTextCollator", "easy_vqa", "load_image_text_dataset", "train_tokenizer"]
+__all__ = ["ImageTextCollator", "easy_vqa", "easy_vqa_captions", "load_image_text_dataset", "train_tokenizer"]

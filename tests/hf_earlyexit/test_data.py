@@ -5,7 +5,13 @@ import pytest
 import torch
 from PIL import Image
 
-from hf_earlyexit.data import ImageTextCollator, easy_vqa, load_image_text_dataset, train_tokenizer
+from hf_earlyexit.data import (
+    ImageTextCollator,
+    easy_vqa,
+    easy_vqa_captions,
+    load_image_text_dataset,
+    train_tokenizer,
+)
 from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 
 
@@ -34,6 +40,25 @@ def test_easy_vqa_is_the_published_split_with_images():
                                    "triangle", "brown", "blue", "no"}  # fmt: skip
     with pytest.raises(ValueError, match="splits"):
         easy_vqa("validation")
+
+
+def test_easy_vqa_captions_agree_with_every_question_of_their_image():
+    captions = easy_vqa_captions("test")
+    assert 700 < len(captions) <= 1000 and captions.column_names == ["image", "caption", "image_id"]
+    caption_of = dict(zip(captions["image_id"], captions["caption"], strict=True))
+    questions = easy_vqa("test").remove_columns("image")
+    for question, answer, image_id in zip(
+        questions["question"], questions["answer"], questions["image_id"], strict=True
+    ):
+        if image_id not in caption_of:
+            continue
+        _, colour, shape = caption_of[image_id].split()
+        if question in ("what color is the shape?", "what is the color of the shape?"):
+            assert answer == colour
+        elif question in ("what shape is in the image?", "what shape is present?"):
+            assert answer == shape
+        elif question in (f"is there a {colour} shape?", f"is there a {shape}?", f"is there not a {shape}?"):
+            assert answer == ("no" if " not " in question else "yes")
 
 
 def test_trained_tokenizer_has_ofa_special_ids(processor):
