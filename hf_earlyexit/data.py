@@ -1,6 +1,7 @@
 """Image-text data for training exits: easy-VQA, a user's own data set by column names, a small tokenizer trained
 on a data set's text, and the collator that turns rows into model inputs with labels."""
 
+import random
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -50,6 +51,11 @@ EASY_VQA_SHAPES = ("circle", "rectangle", "triangle")
 def easy_vqa_captions(split: str = "train") -> datasets.Dataset:
     """One caption per easy-VQA image, "a blue rectangle", from the colour and shape its questions' answers give
     (images whose questions give only one of them are left out). Columns: `image`, `caption`, `image_id`."""
+    return datasets.Dataset.from_dict(easy_vqa_caption_table(split)).cast_column("image", datasets.Image())
+
+
+def easy_vqa_caption_table(split: str) -> dict[str, list]:
+    """`easy_vqa_captions` as columns, with image paths."""
     questions, answers, image_ids, paths = easy_vqa_split(split)
     colours: dict[int, str] = {}
     shapes: dict[int, str] = {}
@@ -62,12 +68,34 @@ def easy_vqa_captions(split: str = "train") -> datasets.Dataset:
         elif question.startswith(("what shape", "what is the")):
             shapes[image_id] = answer
     known = sorted(set(colours) & set(shapes))
-    table = {
+    return {
         "image": [paths[image_id] for image_id in known],
         "caption": [f"a {colours[image_id]} {shapes[image_id]}" for image_id in known],
         "image_id": known,
     }
-    return datasets.Dataset.from_dict(table).cast_column("image", datasets.Image())
+
+
+def easy_vqa_entailment(split: str = "train", seed: int = 0) -> datasets.Dataset:
+    """Visual entailment from easy-VQA captions: per image, its caption as an entailed hypothesis ("yes") and the
+    caption with the colour or the shape changed as a contradiction ("no"), in OFA's SNLI-VE prompt. Columns:
+    `image`, `question`, `answer`, `hypothesis`, `image_id`; deterministic for a `seed`."""
+    captions = easy_vqa_caption_table(split)
+    colours = sorted({caption.split()[1] for caption in captions["caption"]})
+    rng = random.Random(f"easy-vqa-entailment-{split}-{seed}")
+    rows: dict[str, list] = {"image": [], "hypothesis": [], "answer": [], "image_id": []}
+    for path, caption, image_id in zip(captions["image"], captions["caption"], captions["image_id"], strict=True):
+        _, colour, shape = caption.split()
+        if rng.random() < 0.5:
+            wrong = f"a {rng.choice([c for c in colours if c != colour])} {shape}"
+        else:
+            wrong = f"a {colour} {rng.choice([s for s in EASY_VQA_SHAPES if s != shape])}"
+        for hypothesis, answer in ((caption, "yes"), (wrong, "no")):
+            rows["image"].append(path)
+            rows["hypothesis"].append(hypothesis)
+            rows["answer"].append(answer)
+            rows["image_id"].append(image_id)
+    rows["question"] = [f' does the image describe " {hypothesis} "?' for hypothesis in rows["hypothesis"]]
+    return datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image())
 
 
 def load_image_text_dataset(source: str, split: str = "train", columns: Iterable[str] = ()) -> datasets.Dataset:
@@ -147,4 +175,11 @@ class ImageTextCollator:
         return dict(batch)
 
 
-__all__ = ["ImageTextCollator", "easy_vqa", "easy_vqa_captions", "load_image_text_dataset", "train_tokenizer"]
+__all__ = [
+    "ImageTextCollator",
+    "easy_vqa",
+    "easy_vqa_captions",
+    "easy_vqa_entailment",
+    "load_image_text_dataset",
+    "train_tokenizer",
+]

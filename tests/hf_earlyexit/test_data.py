@@ -9,6 +9,7 @@ from hf_earlyexit.data import (
     ImageTextCollator,
     easy_vqa,
     easy_vqa_captions,
+    easy_vqa_entailment,
     load_image_text_dataset,
     train_tokenizer,
 )
@@ -59,6 +60,19 @@ def test_easy_vqa_captions_agree_with_every_question_of_their_image():
             assert answer == shape
         elif question in (f"is there a {colour} shape?", f"is there a {shape}?", f"is there not a {shape}?"):
             assert answer == ("no" if " not " in question else "yes")
+
+
+def test_easy_vqa_entailment_pairs_each_caption_with_one_contradiction():
+    entailment = easy_vqa_entailment("test")
+    captions = easy_vqa_captions("test")
+    assert len(entailment) == 2 * len(captions) and entailment["answer"].count("yes") == len(captions)
+    for i in range(0, 40, 2):
+        true, false = entailment[i], entailment[i + 1]
+        assert (true["answer"], false["answer"]) == ("yes", "no") and true["image_id"] == false["image_id"]
+        assert true["question"] == f' does the image describe " {true["hypothesis"]} "?'
+        differing = [a != b for a, b in zip(true["hypothesis"].split(), false["hypothesis"].split(), strict=True)]
+        assert sum(differing) == 1  # the colour or the shape, not both
+    assert easy_vqa_entailment("test")["hypothesis"] == entailment["hypothesis"]  # deterministic
 
 
 def test_trained_tokenizer_has_ofa_special_ids(processor):
