@@ -1,0 +1,106 @@
+"""Choosing exit thresholds from a sweep: the Pareto frontier of quality vs expected time reduction, the fastest
+setting within a quality tolerance of the full model, and the same choice with a statistical guarantee
+(Learn then Test, Angelopoulos et al. 2021: fixed-sequence testing with Hoeffding p-values, as CALM does).
+
+A sweep evaluates each candidate setting on a calibration split and records an `OperatingPoint`; these functions
+only choose among the points, so they are exact on any score table.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .modeling.generation_early_exit import EXIT_KNOBS, EarlyExitSettings
+
+
+@dataclass
+class OperatingPoint:
+    """One evaluated setting.
+
+    settings: the `generate` knobs (e.g. {"exit_threshold": 0.9, "encoder_text_exit_threshold": 0.99}).
+    quality: the task metric on the calibration split (higher is better).
+    expected_time_reduction: 1 - (cost-weighted layers run) / (the full model's), in [0, 1).
+    seconds: measured wall-clock of the split, when timed.
+    sample_losses: per sample, a loss in [0, 1] against the full model (e.g. 1 if the answer differs); what Learn
+        then Test controls.
+    """
+
+    settings: dict[str, Any]
+    quality: float
+    expected_time_reduction: float
+    seconds: float | None = None
+    sample_losses: list[float] | None = field(default=None, repr=False)
+
+
+def pareto_frontier(points: Sequence[OperatingPoint]) -> list[OperatingPoint]:
+    """The points no other point beats on both quality and expected time reduction, fastest first."""
+    frontier: list[OperatingPoint] = []
+    for point in sorted(points, key=lambda p: (-p.expected_time_reduction, -p.quality)):
+        if not frontier or point.quality > frontier[-1].quality:
+            frontier.append(point)
+    return frontier
+
+
+def fastest_within_tolerance(
+    points: Sequence[OperatingPoint], full_quality: float, tolerance: float = 0.01
+) -> OperatingPoint | None:
+    """The point with the largest expected time reduction whose quality is at least (1 - tolerance) x the full
+    model's (ties: the higher quality); None if no point qualifies."""
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"`tolerance` must lie in [0, 1), got {tolerance}.")
+    eligible = [p for p in points if p.quality >= (1 - tolerance) * full_quality]
+    return max(eligible, key=lambda p: (p.expected_time_reduction, p.quality), default=None)
+
+
+def hoeffding_p_value(mean_loss: float, samples: int, risk_level: float) -> float:
+    """p-value of "the expected loss exceeds `risk_level`" given an empirical mean of losses in [0, 1]."""
+    if mean_loss >= risk_level:
+        return 1.0
+    return math.exp(-2 * samples * (risk_level - mean_loss) ** 2)
+
+
+def learn_then_test(
+    points: Sequence[OperatingPoint], risk_level: float = 0.01, delta: float = 0.1
+) -> OperatingPoint | None:
+    """Learn then Test with fixed-sequence testing: walk the points from the least to the most aggressive (by
+    expected time reduction), keep going while each rejects "expected loss > `risk_level`" at level `delta`, and
+    return the last one that did. With probability at least 1 - delta over the calibration split, the returned
+    setting's expected loss on new data from the same distribution is at most `risk_level`. None if even the most
+    conservative point fails."""
+    if not 0 < risk_level < 1 or not 0 < delta < 1:
+        raise ValueError(f"`risk_level` and `delta` must lie in (0, 1), got {risk_level} and {delta}.")
+    chosen = None
+    for point in sorted(points, key=lambda p: p.expected_time_reduction):
+        if not point.sample_losses:
+            raise ValueError(f"Learn then Test needs per-sample losses; the point {point.settings} has none.")
+        losses = point.sample_losses
+        if any(not 0 <= loss <= 1 for loss in losses):
+            raise ValueError(f"Per-sample losses must lie in [0, 1]; the point {point.settings} has others.")
+        if hoeffding_p_value(sum(losses) / len(losses), len(losses), risk_level) > delta:
+            break
+        chosen = point
+    return chosen
+
+
+def write_generation_defaults(model, settings: dict[str, Any]) -> None:
+    """Make `settings` the model's exit defaults: they go to its generation config, which `save_pretrained` keeps,
+    so a plain `generate` (also as remote code, without this package) exits this way. Raises ValueError on a
+    knob that is unknown, invalid for the model, or not a JSON scalar (a controller object cannot be saved)."""
+    scalars = (str, int, float, bool, type(None))
+    if "exit_controller" in settings or any(not isinstance(value, scalars) for value in settings.values()):
+        raise ValueError(f"Only scalar knobs can be saved as generation defaults, got {settings}.")
+    EarlyExitSettings.from_knobs(model.config, **settings)  # validates names and values against the model
+    for name in EXIT_KNOBS:
+        if name in settings:
+            setattr(model.generation_config, name, settings[name])
+
+
+__all__ = [
+    "OperatingPoint",
+    "fastest_within_tolerance",
+    "hoeffding_p_value",
+    "learn_then_test",
+    "pareto_frontier",
+    "write_generation_defaults",
+]

@@ -1,0 +1,75 @@
+"""Calibration on synthetic score tables: the frontier, the tolerance rule, Learn then Test, saved defaults."""
+
+import random
+
+import pytest
+import torch
+
+from hf_earlyexit.calibration import (
+    OperatingPoint,
+    fastest_within_tolerance,
+    hoeffding_p_value,
+    learn_then_test,
+    pareto_frontier,
+    write_generation_defaults,
+)
+from tests.helpers import tiny_inputs, tiny_model
+
+# threshold -> (quality, expected time reduction): lower thresholds exit earlier, lose quality
+TABLE = {1.0: (0.800, 0.00), 0.95: (0.800, 0.20), 0.9: (0.796, 0.35), 0.85: (0.790, 0.45), 0.8: (0.700, 0.60),
+         0.75: (0.780, 0.30)}  # fmt: skip
+
+
+def points() -> list[OperatingPoint]:
+    return [OperatingPoint({"exit_threshold": t}, q, r) for t, (q, r) in TABLE.items()]
+
+
+def test_frontier_keeps_exactly_the_undominated_points():
+    frontier = pareto_frontier(points())
+    assert [p.settings["exit_threshold"] for p in frontier] == [0.8, 0.85, 0.9, 0.95]  # 0.75 and 1.0 are dominated
+
+
+def test_fastest_within_tolerance_of_the_full_model():
+    assert fastest_within_tolerance(points(), 0.800, 0.02).settings == {"exit_threshold": 0.85}  # 0.790 >= 0.784
+    assert fastest_within_tolerance(points(), 0.800, 0.01).settings == {"exit_threshold": 0.9}  # 0.790 < 0.792
+    assert fastest_within_tolerance(points(), 0.800, 0.0).settings == {"exit_threshold": 0.95}
+    assert fastest_within_tolerance(points(), 0.900, 0.01) is None
+    with pytest.raises(ValueError, match="tolerance"):
+        fastest_within_tolerance(points(), 0.8, 1.5)
+
+
+def test_hoeffding_p_value():
+    assert hoeffding_p_value(0.05, 1000, 0.1) == pytest.approx(6.737947e-03)  # exp(-2 * 1000 * 0.05^2) = e^-5
+    assert hoeffding_p_value(0.2, 1000, 0.1) == 1.0
+
+
+def test_learn_then_test_stops_at_the_first_setting_it_cannot_certify():
+    rng = random.Random(0)
+
+    def point(reduction: float, disagreement: float) -> OperatingPoint:
+        losses = [float(rng.random() < disagreement) for _ in range(2000)]
+        return OperatingPoint({"exit_threshold": 1 - reduction}, 0.8, reduction, sample_losses=losses)
+
+    table = [point(0.1, 0.0), point(0.2, 0.01), point(0.3, 0.03), point(0.4, 0.12), point(0.5, 0.02)]
+    chosen = learn_then_test(table, risk_level=0.06, delta=0.1)
+    assert chosen.expected_time_reduction == 0.3  # 0.4 fails, so 0.5 is never tested (fixed sequence)
+    assert learn_then_test([point(0.1, 0.5)], risk_level=0.06) is None
+    with pytest.raises(ValueError, match="per-sample losses"):
+        learn_then_test([OperatingPoint({}, 0.8, 0.1)])
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        learn_then_test([OperatingPoint({}, 0.8, 0.1, sample_losses=[2.0])])
+
+
+def test_generation_defaults_round_trip_and_make_generate_exit(tmp_path):
+    model = tiny_model(decoder_layers=4)
+    write_generation_defaults(model, {"exit_threshold": 0.5, "kv_strategy": "copy"})
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path).eval()
+    assert (reloaded.generation_config.exit_threshold, reloaded.generation_config.kv_strategy) == (0.5, "copy")
+    out = reloaded.generate(**tiny_inputs(), max_new_tokens=6, return_dict_in_generate=True)
+    asked = model.generate(**tiny_inputs(), max_new_tokens=6, return_dict_in_generate=True, exit_threshold=0.5)
+    assert torch.equal(out.exit_layers, asked.exit_layers) and bool((out.exit_layers < 4).any())
+    for bad, message in (({"exit_treshold": 0.5}, "Unknown"), ({"exit_threshold": 2.0}, "exit_threshold"),
+                         ({"exit_controller": object()}, "scalar")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            write_generation_defaults(model, bad)
