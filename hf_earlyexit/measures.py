@@ -1,0 +1,111 @@
+"""How much an early-exit run saves, from the exit layers `generate` returns.
+
+- Expected time reduction (MuE): the layers each part ran, weighted by that part's cost per layer, against the
+  same inputs and tokens at full depth: 1 - cost(exits) / cost(full). The costs come from `PartCosts`: FLOPs from
+  the config by default (`PartCosts.from_config`), or measured seconds.
+- Parameter speedup (BLIPEE): the decoder parameters a full-depth token uses over the average a token used.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PartCosts:
+    """Cost of one layer of each part (any unit: FLOPs or seconds), and what runs at any depth.
+
+    encoder_image: one layer of the image stream per sample (for a joint encoder: one joint layer).
+    encoder_text: one layer of the text stream per sample (0 for a joint encoder).
+    decoder: one decoder layer per generated token.
+    encoder_fixed / decoder_fixed: the image stem and embeddings per sample / embeddings and output projection
+        per token.
+    """
+
+    encoder_image: float
+    encoder_text: float
+    decoder: float
+    encoder_fixed: float = 0.0
+    decoder_fixed: float = 0.0
+
+    @classmethod
+    def from_config(cls, config, image_tokens: int, text_tokens: int, target_tokens: int) -> "PartCosts":
+        """Multiply-accumulate counts (x2 = FLOPs) of each part for inputs of these lengths; the image stem is left
+        out (it runs whatever the exits). A decoder token attends to about `target_tokens` / 2 earlier ones."""
+        d, vocab = config.d_model, config.vocab_size
+
+        def layer(tokens: int, keys: int, ffn: int, cross: int = 0) -> float:
+            projections = 4 * d * d + 2 * d * ffn + (2 * d * d if cross else 0)  # q, k, v, out (+ cross q, out)
+            return 2.0 * tokens * (projections + 2 * d * (keys + cross))
+
+        encoder_ffn, decoder_ffn = config.encoder_ffn_dim, config.decoder_ffn_dim
+        source = image_tokens + text_tokens
+        if config.decompose_encoder_modalities:
+            image = layer(image_tokens, image_tokens, encoder_ffn)
+            text = layer(text_tokens, text_tokens, encoder_ffn)
+        else:
+            image, text = layer(source, source, encoder_ffn), 0.0
+        return cls(
+            encoder_image=image,
+            encoder_text=text,
+            decoder=layer(1, max(1, target_tokens // 2), decoder_ffn, cross=source),
+            encoder_fixed=2.0 * source * d,
+            decoder_fixed=2.0 * d * vocab,
+        )
+
+
+def expected_time_reduction(
+    encoder_exit_layers: torch.Tensor,
+    decoder_exit_layers: torch.Tensor,
+    costs: PartCosts,
+    encoder_layers: int,
+    decoder_layers: int,
+) -> float:
+    """1 - cost(exits) / cost(full depth) over a batch: `encoder_exit_layers` [N, 2] (image, text; a joint encoder
+    gives its depth in both), `decoder_exit_layers` [N, T] with 0 where no token was generated."""
+    if encoder_exit_layers.ndim != 2 or encoder_exit_layers.shape[1] != 2 or decoder_exit_layers.ndim != 2:
+        raise ValueError("Expected encoder exit layers [N, 2] and decoder exit layers [N, T].")
+    if bool((encoder_exit_layers > encoder_layers).any()) or bool((decoder_exit_layers > decoder_layers).any()):
+        raise ValueError("An exit layer is deeper than the model.")
+    samples = encoder_exit_layers.shape[0]
+    tokens = int((decoder_exit_layers > 0).sum())
+    image, text = encoder_exit_layers.double().sum(dim=0).tolist()
+    run = (
+        costs.encoder_image * image
+        + costs.encoder_text * text
+        + costs.decoder * float(decoder_exit_layers.double().sum())
+        + costs.encoder_fixed * samples
+        + costs.decoder_fixed * tokens
+    )
+    full = (
+        (costs.encoder_image + costs.encoder_text) * encoder_layers * samples
+        + costs.decoder * decoder_layers * tokens
+        + costs.encoder_fixed * samples
+        + costs.decoder_fixed * tokens
+    )
+    return 1.0 - run / full
+
+
+def parameter_speedup(model, decoder_exit_layers: torch.Tensor) -> float:
+    """BLIPEE's speedup: decoder parameters per full-depth token / the average per generated token, where a token
+    that exits after layer k uses layers 1..k, the exit head it left through, the embeddings and the output
+    projection."""
+    decoder = model.get_decoder()
+    layer_parameters = [sum(p.numel() for p in layer.parameters()) for layer in decoder.layers]
+    cumulative = torch.tensor([0, *layer_parameters], dtype=torch.float64).cumsum(0)  # [L + 1]
+    # The embeddings and the output projection (one tensor when tied, counted once).
+    shared_tensors = {id(p): p for p in (*decoder.embed_tokens.parameters(), *decoder.output_projection.parameters())}
+    shared = sum(p.numel() for p in shared_tensors.values())
+    head = torch.zeros(len(layer_parameters) + 1, dtype=torch.float64)
+    heads = decoder.exit_adapters if decoder.exit_adapters is not None else decoder.exit_transformer_layers
+    if heads is not None:
+        for layer, module in zip(model.config.exit_points, heads, strict=True):
+            head[layer] = sum(p.numel() for p in module.parameters())
+    generated = decoder_exit_layers[decoder_exit_layers > 0].long()
+    if generated.numel() == 0:
+        raise ValueError("No generated token to measure (every exit layer is 0).")
+    used = cumulative[generated] + head[generated] + shared
+    return float((cumulative[-1] + shared) / used.mean())
+
+
+__all__ = ["PartCosts", "expected_time_reduction", "parameter_speedup"]

@@ -1,0 +1,45 @@
+"""Expected time reduction and parameter speedup against hand-computed values."""
+
+import pytest
+import torch
+
+from hf_earlyexit.measures import PartCosts, expected_time_reduction, parameter_speedup
+from tests.helpers import tiny_config, tiny_model
+
+
+def test_expected_time_reduction_weights_layers_by_part_cost():
+    costs = PartCosts(encoder_image=2, encoder_text=1, decoder=3, encoder_fixed=10, decoder_fixed=5)
+    encoder = torch.tensor([[2, 4], [4, 1]])
+    decoder = torch.tensor([[1, 4, 0], [2, 2, 2]])  # 0: no token there
+    # run: 2*(2+4) + 1*(4+1) + 3*11 + 10*2 + 5*5 = 95; full: 3*4*2 + 3*4*5 + 20 + 25 = 129
+    assert expected_time_reduction(encoder, decoder, costs, 4, 4) == pytest.approx(1 - 95 / 129)
+    assert expected_time_reduction(torch.full((2, 2), 4), torch.full((2, 3), 4), costs, 4, 4) == 0.0
+    with pytest.raises(ValueError, match="deeper"):
+        expected_time_reduction(encoder, decoder + 4, costs, 4, 4)
+
+
+def test_costs_from_config_count_the_streams_of_a_decomposed_encoder():
+    joint = PartCosts.from_config(tiny_config(), image_tokens=16, text_tokens=8, target_tokens=10)
+    decomposed = PartCosts.from_config(
+        tiny_config(decompose_encoder_modalities=True), image_tokens=16, text_tokens=8, target_tokens=10
+    )
+    assert joint.encoder_text == 0 and decomposed.encoder_text > 0
+    assert decomposed.encoder_image + decomposed.encoder_text < joint.encoder_image  # no cross-modal attention
+    d, ffn = 32, 64
+    assert joint.encoder_image == 2.0 * 24 * (4 * d * d + 2 * d * ffn + 2 * d * 24)
+    assert joint.decoder_fixed == 2.0 * d * 120
+
+
+@pytest.mark.parametrize("heads", [{}, {"exit_transformer_layers": [2]}])
+def test_parameter_speedup_counts_the_layers_and_exit_head_a_token_used(heads):
+    model = tiny_model(decoder_layers=4, **heads)
+    decoder = model.decoder
+    per_layer = sum(p.numel() for p in decoder.layers[0].parameters())
+    assert decoder.embed_tokens.weight is decoder.output_projection.weight  # tied: one tensor, counted once
+    shared = decoder.embed_tokens.weight.numel()
+    head = sum(p.numel() for p in decoder.exit_transformer_layers.parameters()) if heads else 0
+    exits = torch.tensor([[2, 2, 4, 0]])  # two tokens left after layer 2, one ran all 4
+    used = (2 * (2 * per_layer + head + shared) + 4 * per_layer + shared) / 3
+    assert parameter_speedup(model, exits) == pytest.approx((4 * per_layer + shared) / used)
+    with pytest.raises(ValueError, match="No generated token"):
+        parameter_speedup(model, torch.zeros(1, 3, dtype=torch.long))
