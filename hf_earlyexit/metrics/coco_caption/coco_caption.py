@@ -1,0 +1,54 @@
+"""COCO caption metrics through pycocoevalcap: BLEU-1..4, METEOR 1.5 (Java), ROUGE-L, CIDEr-D; SPICE is reported
+as unavailable (it downloads Stanford CoreNLP at first use, which an offline machine cannot)."""
+
+import datasets
+import evaluate
+
+_DESCRIPTION = __doc__
+_CITATION = "Chen et al., Microsoft COCO Captions: Data Collection and Evaluation Server, arXiv:1504.00325 (2015)."
+_KWARGS_DESCRIPTION = """
+Args:
+    predictions: one caption per image.
+    references: the reference captions of each image.
+    meteor: run METEOR (starts a Java process, about 9 s the first time); default True.
+Returns:
+    "BLEU-1".."BLEU-4", "METEOR" (None when not run), "ROUGE-L", "CIDEr", and "SPICE": None with
+    "SPICE_unavailable" saying why. Texts go through the PTB tokenizer (Java), as the COCO server does.
+"""
+SPICE_UNAVAILABLE = "SPICE needs Stanford CoreNLP 3.6.0, which it downloads at first use; this machine is offline."
+
+
+class CocoCaption(evaluate.Metric):
+    def _info(self) -> evaluate.MetricInfo:
+        return evaluate.MetricInfo(
+            description=_DESCRIPTION,
+            citation=_CITATION,
+            inputs_description=_KWARGS_DESCRIPTION,
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Sequence(datasets.Value("string"))}
+            ),
+        )
+
+    def _compute(self, predictions, references, meteor: bool = True) -> dict:
+        from pycocoevalcap.bleu.bleu import Bleu
+        from pycocoevalcap.cider.cider import Cider
+        from pycocoevalcap.rouge.rouge import Rouge
+        from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+        if any(len(refs) == 0 for refs in references):
+            raise ValueError("Every prediction needs at least one reference caption.")
+        tokenizer = PTBTokenizer()
+        gts = tokenizer.tokenize({i: [{"caption": r} for r in refs] for i, refs in enumerate(references)})
+        res = tokenizer.tokenize({i: [{"caption": p}] for i, p in enumerate(predictions)})
+        bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
+        scores = {f"BLEU-{n}": float(value) for n, value in enumerate(bleu, start=1)}
+        scores["METEOR"] = None
+        if meteor:
+            from pycocoevalcap.meteor.meteor import Meteor
+
+            scores["METEOR"] = float(Meteor().compute_score(gts, res)[0])
+        scores["ROUGE-L"] = float(Rouge().compute_score(gts, res)[0])
+        scores["CIDEr"] = float(Cider().compute_score(gts, res)[0])
+        scores["SPICE"] = None
+        scores["SPICE_unavailable"] = SPICE_UNAVAILABLE
+        return scores

@@ -1,0 +1,48 @@
+"""VQA accuracy: an answer scores min(1, #references equal to it / 3), after the VQA normalisation (lower case,
+punctuation, articles and number words); with one reference per question (easy-VQA) this is exact match."""
+
+import re
+
+import datasets
+import evaluate
+
+_DESCRIPTION = __doc__
+_CITATION = "Antol et al., VQA: Visual Question Answering, ICCV 2015."
+_KWARGS_DESCRIPTION = """
+Args:
+    predictions: one answer per question.
+    references: the reference answers of each question (VQA v2 has 10, easy-VQA 1).
+Returns:
+    "accuracy": the mean score.
+"""
+NUMBERS = {"none": "0", "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6",
+           "seven": "7", "eight": "8", "nine": "9", "ten": "10"}  # fmt: skip
+ARTICLES = {"a", "an", "the"}
+
+
+def normalize(answer: str) -> str:
+    answer = re.sub(r"(?<=\d),(?=\d)", "", answer.lower().strip())  # 1,000 -> 1000
+    answer = re.sub(r"[^\w\s']", " ", answer)
+    words = [NUMBERS.get(word, word) for word in answer.split() if word not in ARTICLES]
+    return " ".join(words)
+
+
+class VqaAccuracy(evaluate.Metric):
+    def _info(self) -> evaluate.MetricInfo:
+        return evaluate.MetricInfo(
+            description=_DESCRIPTION,
+            citation=_CITATION,
+            inputs_description=_KWARGS_DESCRIPTION,
+            features=datasets.Features(
+                {"predictions": datasets.Value("string"), "references": datasets.Sequence(datasets.Value("string"))}
+            ),
+        )
+
+    def _compute(self, predictions, references) -> dict:
+        scores = []
+        for prediction, answers in zip(predictions, references, strict=True):
+            if not answers:
+                raise ValueError("Every question needs at least one reference answer.")
+            matches = sum(normalize(answer) == normalize(prediction) for answer in answers)
+            scores.append(min(1.0, matches / min(3, len(answers))))
+        return {"accuracy": sum(scores) / len(scores) if scores else 0.0}

@@ -1,0 +1,50 @@
+"""The shipped metric modules, loaded offline from their folders, against hand-computed values."""
+
+import pytest
+
+from hf_earlyexit import metrics
+
+PREDICTIONS = ["a red circle left of a blue square", "a large green triangle"]
+REFERENCES = [["a red circle left of a blue square", "a red circle and a blue square"], ["a small green triangle"]]
+
+
+def test_caption_metrics_equal_hand_computed_values():
+    scores = metrics.load("coco_caption").compute(predictions=PREDICTIONS, references=REFERENCES, meteor=False)
+    # BLEU-1: clipped unigram matches 8/8 + 3/4 = 11/12; the closest reference lengths (8, 4) sum to the
+    # candidates' 12 words, so no brevity penalty.
+    assert scores["BLEU-1"] == pytest.approx(11 / 12, abs=1e-6)
+    # ROUGE-L (beta 1.2): caption 1 equals a reference (1.0); caption 2 shares the LCS "a green triangle" (3 of 4
+    # words each way, so P = R = F = 0.75).
+    assert scores["ROUGE-L"] == pytest.approx((1.0 + 0.75) / 2)
+    assert scores["CIDEr"] > 0 and scores["METEOR"] is None
+    assert scores["SPICE"] is None and "offline" in scores["SPICE_unavailable"]
+    perfect = metrics.load("coco_caption").compute(predictions=["a red circle"], references=[["a red circle"]],
+                                                   meteor=False)  # fmt: skip
+    assert perfect["ROUGE-L"] == 1.0 and perfect["BLEU-3"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_meteor_runs_offline_through_java():
+    scores = metrics.load("coco_caption").compute(predictions=PREDICTIONS, references=REFERENCES)
+    assert 0.3 < scores["METEOR"] < 1.0
+
+
+def test_vqa_accuracy_normalises_answers_and_counts_agreeing_references():
+    vqa = metrics.load("vqa_accuracy")
+    assert vqa.compute(predictions=["Two.", "the Circle", "no"], references=[["2"], ["circle"], ["yes"]]) == {
+        "accuracy": pytest.approx(2 / 3)
+    }
+    # VQA v2 style: 10 human answers; 2 agree -> 2/3, 3 or more -> 1
+    humans = [["blue"] * 2 + ["teal"] * 8, ["blue"] * 4 + ["teal"] * 6]
+    assert vqa.compute(predictions=["blue", "blue"], references=humans)["accuracy"] == pytest.approx((2 / 3 + 1) / 2)
+
+
+def test_entailment_accuracy_overall_and_per_label():
+    scores = metrics.load("entailment_accuracy").compute(
+        predictions=["yes", " No.", "yes", "maybe"], references=["yes", "no", "no", "no"]
+    )
+    assert scores == {"accuracy": 0.5, "accuracy_no": pytest.approx(1 / 3), "accuracy_yes": 1.0}
+
+
+def test_unknown_metric_raises():
+    with pytest.raises(ValueError, match="shipped metrics"):
+        metrics.load("bleu")
