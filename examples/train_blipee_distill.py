@@ -6,7 +6,7 @@ KL). No answer needs to be right: the target column only feeds the decoder (the 
 
 import argparse
 
-from hf_earlyexit.cli import add_training_arguments
+from hf_earlyexit.cli import add_training_arguments, parse_layers
 from hf_earlyexit.training import fine_tune
 
 if __name__ == "__main__":
@@ -17,7 +17,7 @@ if __name__ == "__main__":
     options = parser.parse_args()
     fine_tune(
         options,
-        {"exit_transformer_layers": [int(layer) for layer in options.exit_layers.split(",")]},
+        {"exit_transformer_layers": parse_layers(options.exit_layers)},
         exit_loss="distill",
         distill_temperature=options.temperature,
         freeze_backbone=True,

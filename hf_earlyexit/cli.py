@@ -35,7 +35,9 @@ def load_image(path: str):
         raise ValueError(f"Cannot read {path} as an image ({error}).") from None
 
 
-def load_model_and_processor(model_dir: str):
+def load_model_and_processor(model_dir: str, **config_fields):
+    """A saved hf-earlyexit model (in eval mode) and its processor; `config_fields` override the config (e.g. to
+    add exit heads)."""
     from transformers import AutoModel, AutoProcessor
 
     path = Path(model_dir)
@@ -43,7 +45,7 @@ def load_model_and_processor(model_dir: str):
         raise ValueError(f"{model_dir} is not a model folder (no config.json).")
     if json.loads((path / "config.json").read_text()).get("model_type") != "ofa_early_exit":
         raise ValueError(f"{model_dir} is not an hf-earlyexit OFA model (model_type is not 'ofa_early_exit').")
-    model = AutoModel.from_pretrained(path, trust_remote_code=True).eval()
+    model = AutoModel.from_pretrained(path, trust_remote_code=True, **config_fields).eval()
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
     return model, processor
 
@@ -200,6 +202,14 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-4)
 
 
+def parse_layers(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3] (decoder layers for exit transformer layers)."""
+    try:
+        return [int(layer) for layer in text.split(",")]
+    except ValueError:
+        raise ValueError(f"Exit layers must be comma-separated layer numbers, got {text!r}.") from None
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from .training import fine_tune
 
@@ -207,12 +217,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.exit_adapter_dim:
         config_fields["exit_adapter_dim"] = args.exit_adapter_dim
     if args.exit_transformer_layers:
-        try:
-            config_fields["exit_transformer_layers"] = [int(x) for x in args.exit_transformer_layers.split(",")]
-        except ValueError:
-            raise ValueError(
-                f"--exit-transformer-layers must be comma-separated layers, got {args.exit_transformer_layers!r}."
-            ) from None
+        config_fields["exit_transformer_layers"] = parse_layers(args.exit_transformer_layers)
     trainer = fine_tune(
         args, config_fields, exit_loss=args.exit_loss, freeze_backbone=args.freeze_backbone, disable_tqdm=False
     )

@@ -2,7 +2,7 @@
 
 import torch
 
-from .data import prompt_text
+from .data import ImageTextCollator
 from .modeling.exit_controllers import FixedLayerExit
 
 
@@ -27,12 +27,11 @@ def exit_layer_accuracy(
     model.eval()
     layers = [*model.config.exit_points, model.config.decoder_layers]
     correct = dict.fromkeys(layers, 0)
+    collator = ImageTextCollator(processor, image_column, text_column, target_column, prompt)
     for start in range(0, len(dataset), batch_size):
-        rows = dataset[start : start + batch_size]
-        images = [image.convert("RGB") for image in rows[image_column]]
-        texts = [prompt_text(text) for text in (rows[text_column] if text_column else [prompt] * len(images))]
-        inputs = processor(images=images, text=texts, return_tensors="pt").to(model.device)
-        targets = [normalize_answer(target) for target in rows[target_column]]
+        rows = [dataset[index] for index in range(start, min(start + batch_size, len(dataset)))]
+        inputs = {name: value.to(model.device) for name, value in collator(rows).items() if name != "labels"}
+        targets = [normalize_answer(row[target_column]) for row in rows]
         for layer in layers:
             knobs = {"exit_controller": FixedLayerExit(layer)} if layer < model.config.decoder_layers else {}
             sequences = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, **knobs)

@@ -3,7 +3,6 @@ trains exits on any image-text data set by column names, and the run behind `hf-
 `examples/` (their options: `hf_earlyexit.cli.add_training_arguments`)."""
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 import datasets
@@ -75,7 +74,7 @@ def train_exits(
 def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **training_arguments) -> EarlyExitTrainer:
     """Load the data set and the model (`config_fields` add exit heads), train with `training_arguments` (those of
     `EarlyExitTrainingArguments`), and save the model and processor to `options.output_dir`."""
-    from transformers import AutoModel, AutoProcessor
+    from .cli import load_model_and_processor
 
     text_column = options.text_column or None
     columns = (options.image_column, text_column, options.target_column)
@@ -84,10 +83,7 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     else:
         dataset = load_image_text_dataset(options.dataset, options.split, columns)
     if options.model_dir:
-        if not (Path(options.model_dir) / "config.json").is_file():
-            raise ValueError(f"{options.model_dir} is not a model folder (no config.json).")
-        model = AutoModel.from_pretrained(options.model_dir, trust_remote_code=True, **config_fields)
-        processor = AutoProcessor.from_pretrained(options.model_dir, trust_remote_code=True)
+        model, processor = load_model_and_processor(options.model_dir, **config_fields)
     else:
         texts = [text for column in columns[1:] if column for text in dataset[column] if isinstance(text, str)]
         model, processor = small_model_and_processor(texts, **config_fields)

@@ -1075,6 +1075,10 @@ class OFADecoder(nn.Module):
             states.append(hidden_states)
             self_attentions.append(self_weights)
             cross_attentions.append(cross_weights)
+            collect = output_exit_hidden_states and idx + 1 in self.exit_points  # never with a controller
+            ask = controller is not None and count >= exit_settings.min_exit_layer and count in self.exit_points
+            if not (collect or ask):
+                continue
             exit_state = functools.cache(  # the exit head's input, computed once, and only if needed
                 functools.partial(
                     self.exit_hidden_states,
@@ -1088,9 +1092,8 @@ class OFADecoder(nn.Module):
                     active,
                 )
             )
-            if output_exit_hidden_states and idx + 1 in self.exit_points:
+            if collect:
                 exit_states.append(self.layer_norm(exit_state()))
-            if controller is None or count < exit_settings.min_exit_layer or count not in self.exit_points:
                 continue
 
             state = ExitState(
