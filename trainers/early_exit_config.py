@@ -34,6 +34,10 @@ class EarlyExitTrainingArguments(Seq2SeqTrainingArguments):
     discriminator_hidden_size: hidden width of each exit's feature discriminator (an MLP with one hidden layer).
     discriminator_learning_rate: AdamW learning rate of the discriminators (constant; they follow gradient
         accumulation).
+    encoder_exit_sampling: the fraction of training rows whose encoder (each stream of a decomposed one, drawn
+        independently) stops after a layer drawn uniformly from 1..L-1, so that the decoder learns to answer from
+        the shallower states encoder exits hand it at inference. MuE trains no encoder exit (it relies on a
+        pre-trained encoder saturating); a model trained from scratch needs this for encoder exits to keep quality.
     """
 
     exit_loss: str = field(default="layerwise", metadata={"help": f"One of {EXIT_LOSSES}."})
@@ -45,6 +49,9 @@ class EarlyExitTrainingArguments(Seq2SeqTrainingArguments):
     adversarial_weight: float = field(default=0.1, metadata={"help": "Weight of the generators' adversarial loss."})
     discriminator_hidden_size: int = field(default=256, metadata={"help": "Hidden width of each discriminator."})
     discriminator_learning_rate: float = field(default=1e-4, metadata={"help": "Learning rate of the discriminators."})
+    encoder_exit_sampling: float = field(
+        default=0.0, metadata={"help": "Fraction of training rows whose encoder stops after a random layer."}
+    )
 
     def __post_init__(self):
         if self.exit_loss not in EXIT_LOSSES:
@@ -61,6 +68,8 @@ class EarlyExitTrainingArguments(Seq2SeqTrainingArguments):
             raise ValueError(f"`discriminator_hidden_size` must be positive, got {self.discriminator_hidden_size}.")
         if self.discriminator_learning_rate <= 0:
             raise ValueError(f"`discriminator_learning_rate` must be positive, got {self.discriminator_learning_rate}.")
+        if not 0 <= self.encoder_exit_sampling <= 1:
+            raise ValueError(f"`encoder_exit_sampling` must lie in [0, 1], got {self.encoder_exit_sampling}.")
         super().__post_init__()
 
     def explicit_weights(self) -> list[float] | None:

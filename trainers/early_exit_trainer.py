@@ -12,6 +12,9 @@ the update of one large batch. Each term, as a per-token mean, is logged as `los
                        L_D = sum_e BCE(D_e(f_last), real) + BCE(D_e(f_e), fake), stepped by its own optimizer
     none               L = CE(head(LN(h_last)), y)
 
+With `encoder_exit_sampling`, a fraction of the rows see the encoder stopped after a random layer, so the same
+losses also teach the decoder to work from the states that encoder exits leave.
+
 `head` is the shared final LayerNorm + output projection; `f` are the features it reads (after that LayerNorm);
 `w` the `exit_loss_weights`; p^T a softmax at temperature T; the last layer's distribution and features are
 detached wherever they serve as the target.
@@ -27,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Seq2SeqTrainer
 
+from ..modeling.exit_controllers import FixedLayerExit
+from ..modeling.generation_early_exit import EarlyExitSettings
 from .discriminator import ExitDiscriminators
 from .early_exit_config import EarlyExitTrainingArguments
 
@@ -126,6 +131,24 @@ class EarlyExitTrainer(Seq2SeqTrainer):
 
     # --- loss -----------------------------------------------------------------------------------------------------
 
+    def sampled_encoder_exits(self, inputs: dict[str, Any]) -> EarlyExitSettings | None:
+        """Per row, an encoder depth: the full depth, or with probability `encoder_exit_sampling` a layer drawn
+        uniformly from 1..L-1 (independently per stream of a decomposed encoder)."""
+        fraction = self.args.encoder_exit_sampling
+        config = self.accelerator.unwrap_model(self.model).config
+        if fraction == 0 or config.encoder_layers < 2:
+            return None
+        ids = inputs.get("input_ids", inputs.get("pixel_values"))
+        batch, device, layers = ids.shape[0], ids.device, config.encoder_layers
+
+        def sampled_exit() -> FixedLayerExit:
+            shallow = torch.randint(1, layers, (batch,), device=device)
+            depth = torch.where(torch.rand(batch, device=device) < fraction, shallow, layers)  # [batch]
+            return FixedLayerExit(lambda state: depth[state.rows])
+
+        parts = ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
+        return EarlyExitSettings(**{part: sampled_exit() for part in parts})
+
     def compute_loss(
         self,
         model: nn.Module,
@@ -137,7 +160,12 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         labels = inputs.get("labels")
         if labels is None and args.exit_loss not in ("distill", "adversarial"):
             raise ValueError(f"exit_loss={args.exit_loss!r} needs `labels`; 'distill' and 'adversarial' do without.")
-        outputs = model(**inputs, use_cache=False, output_exit_hidden_states=args.exit_loss != "none")
+        outputs = model(
+            **inputs,
+            use_cache=False,
+            output_exit_hidden_states=args.exit_loss != "none",
+            exit_settings=self.sampled_encoder_exits(inputs) if model.training else None,
+        )
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
 
         # The target tokens: every loss reads the exits' features there only, [batch, length] -> [N, ...].

@@ -1,11 +1,15 @@
 """EarlyExitTrainer: each loss against a hand computation, gradient accumulation, the adversarial step, resume,
-LoRA and bad arguments. (The two-process Accelerate run is in test_distributed.py.)"""
+LoRA, encoder exit sampling and bad arguments. (The two-process Accelerate run is in test_distributed.py.)"""
+
+import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hf_earlyexit import EarlyExitTrainer, EarlyExitTrainingArguments
+from hf_earlyexit.modeling.exit_controllers import FixedLayerExit
+from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings
 from hf_earlyexit.trainers.early_exit_trainer import DISCRIMINATORS_NAME
 from tests.helpers import tiny_inputs, tiny_model
 
@@ -263,6 +267,7 @@ def test_lora_model_trains_its_adapters_only(tmp_path):
         (dict(exit_loss_weights="1,x"), "comma-separated list"),
         (dict(exit_loss_weights=[1.0, -1.0]), "non-negative"),
         (dict(distill_temperature=0.0), "distill_temperature"),
+        (dict(encoder_exit_sampling=1.5), "encoder_exit_sampling"),
     ],
 )
 def test_bad_arguments_raise(tmp_path, overrides, message):
@@ -303,3 +308,37 @@ def test_resuming_adversarial_training_from_a_checkpoint_without_discriminators_
     (tmp_path / "out" / "checkpoint-2" / DISCRIMINATORS_NAME).unlink()
     with pytest.raises(ValueError, match=DISCRIMINATORS_NAME):
         adversarial_trainer(3).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+
+
+@pytest.mark.parametrize("decomposed", [False, True])
+def test_encoder_exit_sampling_trains_on_shallower_encoder_states(tmp_path, decomposed):
+    """With sampling 1.0 a one-row batch's loss is the loss at some encoder depth 1..L-1 (never the full depth),
+    and different steps draw different depths; with 0.0 it is the full model's loss."""
+    model = tiny_model(decoder_layers=DEPTH, encoder_layers=4, decompose_encoder_modalities=decomposed)
+    batch = batch_of(TinyCaptions(), size=1)
+    parts = ("encoder_image", "encoder_text") if decomposed else ("encoder",)
+
+    def loss_at(depths: tuple[int, ...]) -> float:
+        settings = EarlyExitSettings(**{part: FixedLayerExit(d) for part, d in zip(parts, depths, strict=True)})
+        with torch.no_grad():
+            encoder_outputs = model.eval().get_encoder()(
+                batch["input_ids"], batch["attention_mask"], batch["pixel_values"], settings
+            )
+            return float(trainer.compute_loss(model, {**batch, "encoder_outputs": encoder_outputs}))
+
+    def sampled_loss() -> float:
+        with torch.no_grad():
+            return float(trainer.compute_loss(model.train(), batch, num_items_in_batch=tokens))
+
+    trainer = trainer_for(tmp_path, model, encoder_exit_sampling=1.0, exit_loss="layerwise")
+    shallow = {depths: loss_at(depths) for depths in itertools.product(range(1, 4), repeat=len(parts))}
+    full = loss_at((4,) * len(parts))
+    tokens = int(batch["labels"].ne(-100).sum())
+    drawn = [sampled_loss() for _ in range(8)]
+    matched = [min(shallow, key=lambda depths, loss=loss: abs(shallow[depths] - loss)) for loss in drawn]
+    for loss, depths in zip(drawn, matched, strict=True):
+        assert loss == pytest.approx(shallow[depths], rel=1e-5) and loss != pytest.approx(full, rel=1e-5)
+    assert len(set(matched)) > 1
+
+    trainer.args.encoder_exit_sampling = 0.0
+    assert sampled_loss() == pytest.approx(full, rel=1e-5)
