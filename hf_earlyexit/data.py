@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from transformers import BartTokenizer, PreTrainedTokenizerBase
 
+CAPTION_PROMPT = " what does the image describe?"  # OFA's caption prompt
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # ids 0..4, as OFA's BART BPE (bos 0, pad 1, eos 2)
 
 
@@ -151,7 +152,7 @@ class ImageTextCollator:
     image_column: str = "image"
     text_column: str | None = "question"
     target_column: str = "answer"
-    prompt: str = " what does the image describe?"
+    prompt: str = CAPTION_PROMPT
     max_target_length: int = 32
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -176,6 +177,7 @@ class ImageTextCollator:
 
 
 __all__ = [
+    "CAPTION_PROMPT",
     "ImageTextCollator",
     "easy_vqa",
     "easy_vqa_captions",

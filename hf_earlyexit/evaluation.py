@@ -1,13 +1,102 @@
-"""How well each exit answers: exact-match accuracy of `generate` forced to exit after each exit point."""
+"""Running a task's split through `generate` and scoring it: the predictions, the layers every part ran, the
+seconds it took, and the task's metric. What the calibration and the benchmark are built on.
+
+Exit knobs a call does not give fall back on the model's generation defaults (which calibration writes), so the
+full model is asked for explicitly: `FULL_MODEL` sets every knob to "no exit".
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from .data import ImageTextCollator
+from .data import CAPTION_PROMPT, ImageTextCollator
+from .metrics import load as load_metric
 from .modeling.exit_controllers import FixedLayerExit
+from .modeling.generation_early_exit import EXIT_KNOBS
+from .tasks import Task
+
+FULL_MODEL: dict[str, Any] = dict(EXIT_KNOBS)
 
 
 def normalize_answer(text: str) -> str:
     return " ".join(text.lower().strip().rstrip(".?!").split())
+
+
+@dataclass
+class TaskInputs:
+    """A split turned into model inputs once (so timing covers `generate` only): batches and the references."""
+
+    task: Task
+    batches: list[dict[str, torch.Tensor]]
+    targets: list[str]
+
+    @classmethod
+    def build(cls, task: Task, processor, rows, batch_size: int, device: str | torch.device = "cpu") -> "TaskInputs":
+        if batch_size < 1:
+            raise ValueError(f"`batch_size` must be positive, got {batch_size}.")
+        collator = ImageTextCollator(processor, "image", "prompt", "target")
+        batches = []
+        for start in range(0, len(rows), batch_size):
+            batch = collator([rows[index] for index in range(start, min(start + batch_size, len(rows)))])
+            batches.append({name: value.to(device) for name, value in batch.items() if name != "labels"})
+        return cls(task, batches, list(rows["target"]))
+
+    @property
+    def samples(self) -> int:
+        return len(self.targets)
+
+
+@dataclass
+class TaskRun:
+    """predictions: one text per sample. encoder_exit_layers [N, 2]: layers run per (image, text) stream.
+    decoder_exit_layers [N, T]: layers run per generated token, 0 past the sample's end. seconds: wall clock."""
+
+    predictions: list[str]
+    encoder_exit_layers: torch.Tensor
+    decoder_exit_layers: torch.Tensor
+    seconds: float
+
+
+@torch.no_grad()
+def run_task(model, processor, inputs: TaskInputs, knobs: dict[str, Any] | None = None, **generate_kwargs) -> TaskRun:
+    """Generate for every batch with `knobs` (on top of "no exit"), timing the calls only."""
+    task, eos = inputs.task, model.config.eos_token_id
+    settings = {**FULL_MODEL, **(knobs or {})}
+    decoding = dict(max_new_tokens=task.max_new_tokens, num_beams=task.num_beams, do_sample=False)
+    predictions, encoder_layers, decoder_layers, seconds = [], [], [], 0.0
+    for batch in inputs.batches:
+        start = time.perf_counter()
+        out = model.generate(**batch, **settings, **decoding, **generate_kwargs, return_dict_in_generate=True)
+        seconds += time.perf_counter() - start
+        new_tokens = out.sequences[:, 1:]  # [B, T]: after the decoder start token
+        ended = new_tokens.eq(eos)
+        past_end = (ended.cumsum(dim=1) - ended.long()) > 0  # tokens after the first </s> are padding
+        decoder_layers.append(out.exit_layers.masked_fill(past_end.to(out.exit_layers.device), 0).cpu())
+        encoder_layers.append(out.encoder_exit_layers.cpu())
+        predictions.extend(text.strip() for text in processor.batch_decode(out.sequences, skip_special_tokens=True))
+    width = max(layers.shape[1] for layers in decoder_layers)
+    decoder_layers = [torch.nn.functional.pad(layers, (0, width - layers.shape[1])) for layers in decoder_layers]
+    return TaskRun(predictions, torch.cat(encoder_layers), torch.cat(decoder_layers), seconds)
+
+
+def score(task: Task, predictions: list[str], targets: list[str], meteor: bool = False) -> dict[str, Any]:
+    """The task's metric (`task.metric`); METEOR (a Java start-up) only when asked."""
+    metric = load_metric(task.metric)
+    if task.metric == "entailment_accuracy":
+        return metric.compute(predictions=predictions, references=targets)
+    extra = {"meteor": meteor} if task.metric == "coco_caption" else {}
+    return metric.compute(predictions=predictions, references=[[target] for target in targets], **extra)
+
+
+def disagreement(predictions: list[str], reference_predictions: list[str]) -> list[float]:
+    """Per sample, 1.0 where the answer differs from the full model's (normalised): the loss Learn then Test
+    controls."""
+    return [
+        float(normalize_answer(a) != normalize_answer(b))
+        for a, b in zip(predictions, reference_predictions, strict=True)
+    ]
 
 
 @torch.no_grad()
@@ -18,7 +107,7 @@ def exit_layer_accuracy(
     image_column: str = "image",
     text_column: str | None = "question",
     target_column: str = "answer",
-    prompt: str = " what does the image describe?",
+    prompt: str = CAPTION_PROMPT,
     batch_size: int = 64,
     max_new_tokens: int = 4,
 ) -> dict[int, float]:
@@ -34,10 +123,21 @@ def exit_layer_accuracy(
         targets = [normalize_answer(row[target_column]) for row in rows]
         for layer in layers:
             knobs = {"exit_controller": FixedLayerExit(layer)} if layer < model.config.decoder_layers else {}
-            sequences = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, **knobs)
+            sequences = model.generate(
+                **inputs, **{**FULL_MODEL, **knobs}, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1
+            )
             answers = processor.batch_decode(sequences, skip_special_tokens=True)
             correct[layer] += sum(normalize_answer(a) == t for a, t in zip(answers, targets, strict=True))
     return {layer: count / len(dataset) for layer, count in correct.items()}
 
 
-__all__ = ["exit_layer_accuracy", "normalize_answer"]
+__all__ = [
+    "FULL_MODEL",
+    "TaskInputs",
+    "TaskRun",
+    "disagreement",
+    "exit_layer_accuracy",
+    "normalize_answer",
+    "run_task",
+    "score",
+]

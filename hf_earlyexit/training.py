@@ -7,7 +7,7 @@ from typing import Any
 
 import datasets
 
-from .data import ImageTextCollator, easy_vqa, load_image_text_dataset, train_tokenizer
+from .data import CAPTION_PROMPT, ImageTextCollator, easy_vqa, load_image_text_dataset, train_tokenizer
 from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from .trainers import EarlyExitTrainer, EarlyExitTrainingArguments
@@ -50,7 +50,7 @@ def train_exits(
     image_column: str = "image",
     text_column: str | None = "question",
     target_column: str = "answer",
-    prompt: str = " what does the image describe?",
+    prompt: str = CAPTION_PROMPT,
     **trainer_kwargs,
 ) -> EarlyExitTrainer:
     """Train `model`'s exits with `args.exit_loss` on `train_dataset` (columns by name) and return the trainer."""

@@ -1,0 +1,83 @@
+"""The tasks the embedded model is trained and measured on, each with its splits, prompt, metric and decoding.
+
+- "vqa": easy-VQA questions (13 answers), VQA accuracy.
+- "entailment": does a caption hold for the easy-VQA image? (OFA's SNLI-VE prompt, yes/no), entailment accuracy.
+- "caption": shape scenes (2-3 objects, 9-19 word captions), COCO caption metrics (CIDEr leads).
+
+Splits are "train", "validation" (for calibration) and "test" (for the benchmark). easy-VQA publishes train and
+test only, so its validation split is the questions on every tenth training image (image id divisible by 10),
+which "train" leaves out.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import datasets
+
+from .data import CAPTION_PROMPT, easy_vqa, easy_vqa_captions, easy_vqa_entailment
+from .scenes import shape_scenes
+
+SPLITS = ("train", "validation", "test")
+SCENE_SIZES = {"train": 12000, "validation": 500, "test": 1000}
+
+
+@dataclass(frozen=True)
+class Task:
+    """name: the task's key. metric: the `hf_earlyexit.metrics` module that scores it; quality_key: the score the
+    calibration and benchmark compare. target_column: the reference in the source data. max_new_tokens / num_beams:
+    how it decodes."""
+
+    name: str
+    metric: str
+    quality_key: str
+    target_column: str
+    max_new_tokens: int
+    num_beams: int
+
+    def dataset(self, split: str, size: int | None = None) -> datasets.Dataset:
+        """The split's rows (the first `size` of a fixed shuffle when given), with columns `image`, `prompt`,
+        `target` and `task`."""
+        if split not in SPLITS:
+            raise ValueError(f"Splits are {list(SPLITS)}, got {split!r}.")
+        if self.name == "caption":
+            rows = shape_scenes(split, size=SCENE_SIZES[split] if size is None else size, image_size=64)
+            rows = rows.map(lambda _: {"prompt": CAPTION_PROMPT}, remove_columns=["objects"])
+        else:
+            rows = easy_vqa_split({"vqa": easy_vqa, "entailment": easy_vqa_entailment}[self.name], split)
+            rows = rows.rename_column("question", "prompt").select_columns(["image", "prompt", "answer"])
+            if size is not None:
+                rows = rows.shuffle(seed=0).select(range(min(size, len(rows))))
+        rows = rows.rename_column(self.target_column, "target") if self.target_column != "target" else rows
+        return rows.add_column("task", [self.name] * len(rows))
+
+
+TASKS = {
+    "vqa": Task("vqa", "vqa_accuracy", "accuracy", "answer", max_new_tokens=4, num_beams=1),
+    "entailment": Task("entailment", "entailment_accuracy", "accuracy", "answer", max_new_tokens=2, num_beams=1),
+    "caption": Task("caption", "coco_caption", "CIDEr", "caption", max_new_tokens=24, num_beams=1),
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"Unknown task {name!r}; tasks are {list(TASKS)}.")
+    return TASKS[name]
+
+
+def easy_vqa_split(loader: Callable[[str], datasets.Dataset], split: str) -> datasets.Dataset:
+    """A split of an easy-VQA-derived set: "test" is the published test split; "validation" the rows of every
+    tenth training image, which "train" leaves out."""
+    if split == "test":
+        return loader("test")
+    held_out = split == "validation"
+    return loader("train").filter(lambda image_id: (image_id % 10 == 0) == held_out, input_columns="image_id")
+
+
+def easy_vqa_caption_rows(split: str) -> datasets.Dataset:
+    """easy-VQA's derived captions ("a blue rectangle") in the tasks' columns, for grounding during training."""
+    captions = easy_vqa_split(easy_vqa_captions, split)
+    captions = captions.rename_column("caption", "target").select_columns(["image", "target"])
+    return captions.map(lambda _: {"prompt": CAPTION_PROMPT, "task": "caption"})
+
+
+__all__ = ["SPLITS", "TASKS", "Task", "easy_vqa_caption_rows", "easy_vqa_split", "get_task"]

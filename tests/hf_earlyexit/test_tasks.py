@@ -1,0 +1,30 @@
+"""The tasks' splits: columns, disjoint train / validation images, fixed samples."""
+
+import pytest
+
+from hf_earlyexit.tasks import easy_vqa_caption_rows, get_task
+
+
+def test_easy_vqa_validation_holds_every_tenth_training_image_which_train_leaves_out():
+    task = get_task("vqa")
+    train, validation = task.dataset("train"), task.dataset("validation")
+    assert train.column_names == validation.column_names == ["image", "prompt", "target", "task"]
+    assert len(train) + len(validation) == 38575  # the published training questions
+    entailment = get_task("entailment").dataset("validation")
+    assert set(entailment["target"]) == {"yes", "no"} and entailment[0]["prompt"].startswith(" does the image")
+    assert len(easy_vqa_caption_rows("validation")) + len(easy_vqa_caption_rows("train")) == 2919
+
+
+def test_samples_are_a_fixed_subset_and_captions_come_from_shape_scenes():
+    task = get_task("vqa")
+    assert task.dataset("test", size=5)["prompt"] == task.dataset("test", size=5)["prompt"]
+    captions = get_task("caption").dataset("validation", size=3)
+    assert len(captions) == 3 and all(8 <= len(text.split()) <= 20 for text in captions["target"])
+    assert captions[0]["image"].size == (64, 64)
+
+
+def test_unknown_task_or_split_raises():
+    with pytest.raises(ValueError, match="Unknown task 'ocr'"):
+        get_task("ocr")
+    with pytest.raises(ValueError, match="Splits are"):
+        get_task("vqa").dataset("dev")
