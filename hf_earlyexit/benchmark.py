@@ -7,6 +7,13 @@ skipped layers, so `realized_over_ideal = truncated time / early-exit time` says
 machinery delivers (1.0 = all of it). The layer-count ratio K / L is reported beside it; it overstates the ideal,
 because the embeddings, the final LayerNorm and the output projection (59k words) run whatever the depth.
 
+`task_benchmark` is the proof on a trained model: the full model and the early-exit model side by side on the same
+test inputs, in one process, interleaved and repeated: quality, expected time reduction (layers run, weighted by
+each part's cost per layer, measured on this machine by `measure_part_costs`, and by FLOPs as MuE counts), the
+wall-clock ratio and per-part times. `measure_part_costs` times each part at full depth and forced to exit after
+its first layer, so the difference is what its other layers cost and the rest is what runs at any depth (the
+image stem, embeddings, output projection and the `generate` loop).
+
 `training_step_benchmark` times one training step (forward + backward) of the same model and batch under each exit
 loss, interleaved, to show what training the exits costs against plain fine-tuning.
 """
@@ -18,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 
+from .evaluation import FULL_MODEL, TaskInputs, run_task, score
+from .measures import PartCosts, expected_time_reduction
 from .modeling.configuration_ofa import OFAEarlyExitConfig
 from .modeling.early_exit_cache import KV_STRATEGIES
 from .modeling.exit_controllers import FixedLayerExit
@@ -213,6 +222,111 @@ def training_step_benchmark(
     }
 
 
+@torch.no_grad()
+def measure_part_costs(model, inputs: TaskInputs, repeats: int = 3) -> PartCosts:
+    """Seconds per sample of one layer of each encoder stream (or of the joint encoder) and of the image stem +
+    embeddings; seconds per generated token of one decoder layer and of the rest of a decoding step. Timed on
+    `inputs` at full depth and with each part forced to exit after its first layer (fixed-length decoding)."""
+    config, device = model.config, model.device
+    encoder, decoder_layers, encoder_layers = model.get_encoder(), config.decoder_layers, config.encoder_layers
+    parts = ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
+    first_layer = FixedLayerExit(1)
+
+    def encode(shallow: str | None = None):
+        settings = EarlyExitSettings(**({shallow: first_layer} if shallow else {}))
+        return lambda: [encoder(**batch, exit_settings=settings) for batch in inputs.batches]
+
+    encoder_outputs = [encoder(**batch) for batch in inputs.batches]
+    tokens = inputs.task.max_new_tokens
+
+    def decode(knobs: dict):
+        return lambda: [
+            model.generate(
+                encoder_outputs=outputs, attention_mask=batch["attention_mask"], **{**FULL_MODEL, **knobs},
+                max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1,
+            )
+            for batch, outputs in zip(inputs.batches, encoder_outputs, strict=True)
+        ]  # fmt: skip
+
+    functions = {"encoder": encode(), **{part: encode(part) for part in parts}}
+    functions |= {"decoder": decode({}), "decoder_shallow": decode({"exit_controller": first_layer})}
+    seconds = median_seconds(functions, repeats, device)
+    samples, generated = inputs.samples, inputs.samples * tokens
+    per_layer = {part: max(0.0, seconds["encoder"] - seconds[part]) / (encoder_layers - 1) / samples for part in parts}
+    decoder = max(0.0, seconds["decoder"] - seconds["decoder_shallow"]) / (decoder_layers - 1) / generated
+    encoder_layer = sum(per_layer.values())
+    return PartCosts(
+        encoder_image=per_layer[parts[0]],
+        encoder_text=per_layer.get("encoder_text", 0.0),
+        decoder=decoder,
+        encoder_fixed=max(0.0, seconds["encoder"] / samples - encoder_layers * encoder_layer),
+        decoder_fixed=max(0.0, seconds["decoder"] / generated - decoder_layers * decoder),
+    )
+
+
+def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: int = 3, meteor: bool = False) -> dict:
+    """Full model vs `knobs` on the same inputs: quality, expected time reduction, wall clock, per-part times.
+    Returns the JSON object `hf-earlyexit bench --json` prints."""
+    config = model.config
+    runs = {"full": run_task(model, processor, inputs), "early_exit": run_task(model, processor, inputs, knobs)}
+    seconds = median_seconds(
+        {
+            "full": lambda: run_task(model, processor, inputs),
+            "early_exit": lambda: run_task(model, processor, inputs, knobs),
+        },
+        repeats,
+        model.device,
+    )
+    costs = measure_part_costs(model, inputs, repeats)
+    first = inputs.batches[0]
+    image_tokens = model.get_encoder().embed_image(first["pixel_values"][:1])[0].shape[1]
+    flops = PartCosts.from_config(config, image_tokens, first["input_ids"].shape[1], inputs.task.max_new_tokens)
+
+    def reduction(run, part_costs: PartCosts) -> float:
+        return expected_time_reduction(
+            run.encoder_exit_layers, run.decoder_exit_layers, part_costs, config.encoder_layers, config.decoder_layers
+        )
+
+    def side(name: str) -> dict:
+        run = runs[name]
+        scores = score(inputs.task, run.predictions, inputs.targets, meteor=meteor)
+        generated = run.decoder_exit_layers[run.decoder_exit_layers > 0].double()
+        return {
+            "quality": scores[inputs.task.quality_key],
+            "seconds": seconds[name],
+            "scores": scores,
+            "mean_layers": {
+                "encoder_image": round(float(run.encoder_exit_layers[:, 0].double().mean()), 3),
+                "encoder_text": round(float(run.encoder_exit_layers[:, 1].double().mean()), 3),
+                "decoder_per_token": round(float(generated.mean()), 3),
+            },
+        }
+
+    full, early = side("full"), side("early_exit")
+    early["expected_time_reduction"] = round(reduction(runs["early_exit"], costs), 4)
+    early["expected_time_reduction_flops"] = round(reduction(runs["early_exit"], flops), 4)
+    early["settings"] = knobs
+    return {
+        "task": inputs.task.name,
+        "metric": inputs.task.quality_key,
+        "samples": inputs.samples,
+        "batch_size": inputs.batches[0]["input_ids"].shape[0],
+        "device": f"{model.device.type} ({torch.get_num_threads()} threads)",
+        "repeats": repeats,
+        "full": full,
+        "early_exit": early,
+        "quality_ratio": round(early["quality"] / full["quality"], 4) if full["quality"] else None,
+        "wall_clock_time_reduction": round(1 - seconds["early_exit"] / seconds["full"], 4),
+        "per_part_seconds": {
+            "encoder_image_layer_per_sample": costs.encoder_image,
+            "encoder_text_layer_per_sample": costs.encoder_text,
+            "encoder_fixed_per_sample": costs.encoder_fixed,
+            "decoder_layer_per_token": costs.decoder,
+            "decoder_fixed_per_token": costs.decoder_fixed,
+        },
+    }
+
+
 def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str) -> dict:
     scale = 1000.0 if unit == "ms_per_token" else 1.0
     return {
@@ -227,4 +341,10 @@ def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str
     }
 
 
-__all__ = ["forced_exit_benchmark", "training_step_benchmark", "truncated_model"]
+__all__ = [
+    "forced_exit_benchmark",
+    "measure_part_costs",
+    "task_benchmark",
+    "training_step_benchmark",
+    "truncated_model",
+]

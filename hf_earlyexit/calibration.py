@@ -2,16 +2,24 @@
 setting within a quality tolerance of the full model, and the same choice with a statistical guarantee
 (Learn then Test, Angelopoulos et al. 2021: fixed-sequence testing with Hoeffding p-values, as CALM does).
 
-A sweep evaluates each candidate setting on a calibration split and records an `OperatingPoint`; these functions
-only choose among the points, so they are exact on any score table.
+`sweep` evaluates each candidate setting of a grid on a calibration split and records an `OperatingPoint`; the
+choosing functions only choose among points, so they are exact on any score table.
 """
 
+import itertools
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .evaluation import TaskInputs, disagreement, run_task, score
+from .measures import PartCosts, expected_time_reduction
 from .modeling.generation_early_exit import EXIT_KNOBS, EarlyExitSettings
+
+# The default grid: the decoder's policies with their thresholds, and the encoder streams' similarity thresholds.
+DECODER_THRESHOLDS = {"similarity": (0.9, 0.95, 0.98), "confidence": (0.6, 0.8, 0.9, 0.95, 0.99)}
+ENCODER_THRESHOLDS = (0.8, 0.9, 0.95, 0.98)
 
 
 @dataclass
@@ -24,6 +32,7 @@ class OperatingPoint:
     seconds: measured wall-clock of the split, when timed.
     sample_losses: per sample, a loss in [0, 1] against the full model (e.g. 1 if the answer differs); what Learn
         then Test controls.
+    predictions: the outputs, when the point came from a `sweep`.
     """
 
     settings: dict[str, Any]
@@ -31,6 +40,7 @@ class OperatingPoint:
     expected_time_reduction: float
     seconds: float | None = None
     sample_losses: list[float] | None = field(default=None, repr=False)
+    predictions: list[str] | None = field(default=None, repr=False)
 
 
 def pareto_frontier(points: Sequence[OperatingPoint]) -> list[OperatingPoint]:
@@ -83,6 +93,79 @@ def learn_then_test(
     return chosen
 
 
+def calibration_grid(
+    config,
+    decoder_thresholds: dict[str, Sequence[float]] = DECODER_THRESHOLDS,
+    encoder_thresholds: Sequence[float] = ENCODER_THRESHOLDS,
+) -> list[dict[str, Any]]:
+    """Every combination of a decoder setting (no exit, or a policy with a threshold) and an encoder setting per
+    stream (no exit, or a similarity threshold), as `generate` knobs; the all-"no exit" point is left out."""
+    decoder = [{}] + [
+        {"exit_policy": policy, "exit_threshold": threshold}
+        for policy, thresholds in decoder_thresholds.items()
+        for threshold in thresholds
+    ]
+    streams = ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
+    per_stream = [[None, *encoder_thresholds]] * len(streams)
+    grid = []
+    for knobs, thresholds in itertools.product(decoder, itertools.product(*per_stream)):
+        encoder = {f"{part}_exit_threshold": t for part, t in zip(streams, thresholds, strict=True) if t is not None}
+        if knobs or encoder:
+            grid.append({**knobs, **encoder})
+    return grid
+
+
+def sweep(
+    model, processor, inputs: TaskInputs, grid: Sequence[dict[str, Any]], costs: PartCosts, progress: bool = True
+) -> tuple[OperatingPoint, list[OperatingPoint]]:
+    """The full model and every setting of `grid` on `inputs`: quality, expected time reduction (with `costs`),
+    seconds, and per sample whether the answer differs from the full model's (the Learn-then-Test loss)."""
+    from tqdm.auto import tqdm
+
+    config = model.config
+
+    def evaluate(knobs: dict[str, Any], reference: list[str] | None) -> OperatingPoint:
+        run = run_task(model, processor, inputs, knobs)
+        return OperatingPoint(
+            settings=knobs,
+            quality=score(inputs.task, run.predictions, inputs.targets)[inputs.task.quality_key],
+            expected_time_reduction=expected_time_reduction(
+                run.encoder_exit_layers, run.decoder_exit_layers, costs, config.encoder_layers, config.decoder_layers
+            ),
+            seconds=run.seconds,
+            sample_losses=disagreement(run.predictions, reference if reference is not None else run.predictions),
+            predictions=run.predictions,
+        )
+
+    full = evaluate({}, None)
+    points = [
+        evaluate(knobs, full.predictions)
+        for knobs in tqdm(grid, desc=f"calibrating {inputs.task.name}", disable=not progress)
+    ]
+    return full, points
+
+
+def fastest_for_every_task(
+    sweeps: dict[str, tuple[OperatingPoint, Sequence[OperatingPoint]]], tolerance: float = 0.01
+) -> dict[str, Any] | None:
+    """One setting for several tasks: among the settings every task's sweep evaluated, those within `tolerance` of
+    the full model on every task, the one with the largest mean expected time reduction (None if none is)."""
+    if not 0 <= tolerance < 1:
+        raise ValueError(f"`tolerance` must lie in [0, 1), got {tolerance}.")
+    by_setting: dict[str, list[OperatingPoint]] = {}
+    for full, points in sweeps.values():
+        for point in points:
+            if point.quality >= (1 - tolerance) * full.quality:
+                by_setting.setdefault(json.dumps(point.settings, sort_keys=True), []).append(point)
+    complete = {key: points for key, points in by_setting.items() if len(points) == len(sweeps)}
+    best = max(
+        complete.items(),
+        key=lambda item: sum(p.expected_time_reduction for p in item[1]) / len(item[1]),
+        default=None,
+    )
+    return None if best is None else json.loads(best[0])
+
+
 def write_generation_defaults(model, settings: dict[str, Any]) -> None:
     """Make `settings` the model's exit defaults: they go to its generation config, which `save_pretrained` keeps,
     so a plain `generate` (also as remote code, without this package) exits this way. Raises ValueError on a
@@ -98,9 +181,12 @@ def write_generation_defaults(model, settings: dict[str, Any]) -> None:
 
 __all__ = [
     "OperatingPoint",
+    "calibration_grid",
+    "fastest_for_every_task",
     "fastest_within_tolerance",
     "hoeffding_p_value",
     "learn_then_test",
     "pareto_frontier",
+    "sweep",
     "write_generation_defaults",
 ]

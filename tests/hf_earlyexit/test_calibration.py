@@ -7,6 +7,8 @@ import torch
 
 from hf_earlyexit.calibration import (
     OperatingPoint,
+    calibration_grid,
+    fastest_for_every_task,
     fastest_within_tolerance,
     hoeffding_p_value,
     learn_then_test,
@@ -73,3 +75,22 @@ def test_generation_defaults_round_trip_and_make_generate_exit(tmp_path):
                          ({"exit_controller": object()}, "scalar")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             write_generation_defaults(model, bad)
+
+
+def test_one_setting_for_every_task_is_the_fastest_within_tolerance_on_all():
+    vqa = (OperatingPoint({}, 0.80, 0.0), points())
+    # On captions 0.85 loses 5% and 0.9 only 0.5%: 0.9 is the fastest setting within 1% on both tasks.
+    captions = [OperatingPoint({"exit_threshold": t}, q, r) for t, q, r in ((0.85, 0.95, 0.5), (0.9, 0.995, 0.4))]
+    chosen = fastest_for_every_task({"vqa": vqa, "caption": (OperatingPoint({}, 1.0, 0.0), captions)}, 0.01)
+    assert chosen == {"exit_threshold": 0.9}
+    assert fastest_for_every_task({"vqa": vqa}, 0.01) == fastest_within_tolerance(vqa[1], 0.80, 0.01).settings
+    assert fastest_for_every_task({"caption": (OperatingPoint({}, 1.0, 0.0), captions[:1])}, 0.01) is None
+
+
+def test_grid_covers_each_decoder_policy_and_encoder_stream():
+    decomposed = tiny_model(decompose_encoder_modalities=True).config
+    grid = calibration_grid(decomposed, {"similarity": (0.9,), "confidence": (0.5, 0.8)}, (0.95,))
+    assert len(grid) == 4 * 2 * 2 - 1 and {} not in grid  # (none + 3 decoder) x (none + 1) per stream, minus full
+    assert {"exit_policy": "confidence", "exit_threshold": 0.8, "encoder_text_exit_threshold": 0.95} in grid
+    joint = calibration_grid(tiny_model().config, {"similarity": (0.9,)}, (0.95,))
+    assert {"encoder_exit_threshold": 0.95} in joint and len(joint) == 2 * 2 - 1
