@@ -18,8 +18,8 @@ from .measures import PartCosts, expected_time_reduction
 from .modeling.generation_early_exit import EXIT_KNOBS, EarlyExitSettings
 
 # The default grid: the decoder's policies with their thresholds, and the encoder streams' similarity thresholds.
-DECODER_THRESHOLDS = {"similarity": (0.9, 0.95, 0.98), "confidence": (0.6, 0.8, 0.9, 0.95, 0.99)}
-ENCODER_THRESHOLDS = (0.8, 0.9, 0.95, 0.98)
+DECODER_THRESHOLDS = {"similarity": (0.95, 0.98), "confidence": (0.6, 0.8, 0.9, 0.95)}
+ENCODER_THRESHOLDS = (0.95, 0.97, 0.98)
 
 
 @dataclass
@@ -177,6 +177,8 @@ def write_generation_defaults(model, settings: dict[str, Any]) -> None:
     for name in EXIT_KNOBS:
         if name in settings:
             setattr(model.generation_config, name, settings[name])
+    # A generation config marked as derived from the model config is rebuilt from it on load, losing the knobs.
+    model.generation_config._from_model_config = False
 
 
 __all__ = [

@@ -6,21 +6,11 @@ exit status 2, never a traceback.
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-PROMPT = " what does the image describe?"
-
-
-def shared_dir() -> Path | None:
-    """The project's `shared/` folder (reference tokenizer, fixtures): $HF_EARLYEXIT_SHARED or ../shared."""
-    candidates = [os.environ.get("HF_EARLYEXIT_SHARED"), Path.cwd().parent / "shared", Path.cwd() / "shared"]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "reference").is_dir():
-            return Path(candidate)
-    return None
+from .data import CAPTION_PROMPT
 
 
 def load_image(path: str):
@@ -87,74 +77,203 @@ def cmd_caption(args: argparse.Namespace) -> None:
     print(f"{len(images)} image(s) in {seconds:.2f} s", file=sys.stderr)
 
 
-def sample_image():
-    """A drawn scene (no download): a red circle and a blue square on a light background."""
-    from PIL import Image, ImageDraw
+EMBEDDED_MODEL_DIR = Path(__file__).parent / "embedded_model"
+DEMO_SAMPLES = {"vqa": 300, "entailment": 300, "caption": 100}
 
-    image = Image.new("RGB", (256, 256), (235, 235, 225))
-    draw = ImageDraw.Draw(image)
-    draw.ellipse((30, 40, 120, 130), fill=(200, 30, 30))
-    draw.rectangle((140, 120, 230, 210), fill=(30, 60, 200))
-    return image
+
+def exit_knobs(args: argparse.Namespace, model) -> dict:
+    """The exit knobs of a run: those given on the command line, else the model's saved generation defaults
+    (what calibration wrote); `--full` means none."""
+    from .modeling.generation_early_exit import EXIT_KNOBS
+
+    if getattr(args, "full", False):
+        return {}
+    given = {name: getattr(args, name) for name in EXIT_KNOBS if getattr(args, name, None) is not None}
+    if given:
+        return given
+    saved = {name: getattr(model.generation_config, name, default) for name, default in EXIT_KNOBS.items()}
+    return {name: value for name, value in saved.items() if value != EXIT_KNOBS[name]}
+
+
+def task_inputs(args: argparse.Namespace, processor, split: str, samples: int, batch_size: int):
+    from .evaluation import TaskInputs
+    from .tasks import get_task
+
+    if samples < 1:
+        raise ValueError(f"--samples must be positive, got {samples}.")
+    task = get_task(args.task)
+    return TaskInputs.build(task, processor, task.dataset(split, size=samples), batch_size)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
     import torch
-    from safetensors.torch import load_file
 
-    from .convert import convert_checkpoint
-    from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
-    from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
+    from .benchmark import task_benchmark
+    from .plots import exit_picture
 
-    shared = shared_dir()
-    if shared is None:
-        raise ValueError("The demo needs the project's shared/ folder (set HF_EARLYEXIT_SHARED or run beside it).")
-    output = Path(args.output_dir)
-    torch.manual_seed(0)
-
-    fixture = shared / "fixtures" / "ofa_ref_A"
-    if fixture.is_dir():
-        converted = convert_checkpoint(fixture, output / "ofa-reference-converted")
-        io = load_file(fixture / "io.safetensors")
-        with torch.no_grad():
-            logits = converted(
-                input_ids=io["input_ids"], pixel_values=io["patch_images"], decoder_input_ids=io["decoder_input_ids"]
-            ).logits
-        error = (logits - io["logits"]).abs().max().item()
-        print(f"1. converted the official-format OFA checkpoint {fixture} -> {output / 'ofa-reference-converted'}")
-        print(f"   max |logits - official OFA logits| = {error:.2e}")
-
-    model_dir = output / "ofa-tiny"
-    tokenizer = OFAProcessor.build_tokenizer(str(shared / "reference" / "bart_tokenizer"))
-    config = OFAEarlyExitConfig.from_preset("tiny", vocab_size=len(tokenizer))
-    EarlyExitOFAForConditionalGeneration(config).save_pretrained(model_dir)
-    OFAProcessor(OFAImageProcessor(size={"height": 256, "width": 256}), tokenizer).save_pretrained(model_dir)
-    print(
-        f"2. built an OFA-tiny model ({config.resnet_type} stem, {config.encoder_layers}+{config.decoder_layers} "
-        f"layers, d_model {config.d_model}) with the OFA tokenizer -> {model_dir}"
-    )
-    print("   its weights are randomly initialised: the caption below shows the pipeline, not a trained model")
-
+    model_dir = Path(args.model_dir or EMBEDDED_MODEL_DIR)
     model, processor = load_model_and_processor(str(model_dir))
-    captions, sequences, seconds = caption_images(model, processor, [sample_image()], PROMPT, 5, 16)
-    print("3. loaded it with AutoModel/AutoProcessor (trust_remote_code=True) and captioned a drawn image, beam 5:")
-    print(f"   prompt {PROMPT!r} -> {captions[0].strip()!r}")
-    print(f"   tokens {sequences[0].tolist()}")
-    print(f"   {seconds:.2f} s on {torch.get_num_threads()} CPU thread(s)")
+    knobs = exit_knobs(args, model)
+    if not knobs:
+        raise ValueError(
+            f"{model_dir} has no calibrated exit defaults: run `hf-earlyexit calibrate {model_dir} --write`."
+        )
+    config = model.config
+    print(
+        f"Loaded {model_dir} with AutoModel/AutoProcessor (trust_remote_code=True): OFA-EE, "
+        f"{model.num_parameters() / 1e6:.1f}M parameters, {config.encoder_layers} encoder layers (image and text "
+        f"streams), {config.decoder_layers} decoder layers; calibrated exit defaults {knobs}"
+    )
+    threads = torch.get_num_threads()
+    print(f"Each task's test split through the full and the early-exit model, same inputs ({threads} CPU threads):")
+    for name, samples in DEMO_SAMPLES.items():
+        args.task = name
+        inputs = task_inputs(args, processor, "test", samples, args.batch_size)
+        report = task_benchmark(model, processor, inputs, knobs, repeats=1)
+        full, early = report["full"], report["early_exit"]
+        print(
+            f"  {name:<10} {report['metric']} {full['quality']:.3f} -> {early['quality']:.3f} "
+            f"({100 * report['quality_ratio']:.1f}% of full) | expected time reduction "
+            f"{100 * early['expected_time_reduction']:.0f}% | wall clock {full['seconds']:.2f} s -> "
+            f"{early['seconds']:.2f} s ({100 * report['wall_clock_time_reduction']:.0f}% less) | layers: image "
+            f"{early['mean_layers']['encoder_image']:.2f}, text {early['mean_layers']['encoder_text']:.2f}, decoder "
+            f"{early['mean_layers']['decoder_per_token']:.2f} per token "
+            f"(of {config.encoder_layers} / {config.decoder_layers})"
+        )
 
-    inputs = processor(images=[sample_image()], text=[PROMPT], return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, num_beams=5, max_new_tokens=16, exit_threshold=0.8, return_dict_in_generate=True)
-    layers = out.exit_layers[0][out.exit_layers[0] > 0].tolist()
-    print("4. the same with early exit (exit_threshold=0.8: a token leaves once a layer changes it little):")
-    print(f"   -> {processor.batch_decode(out.sequences, skip_special_tokens=True)[0].strip()!r}")
-    print(f"   decoder layers run per token {layers} of {model.config.decoder_layers}")
-    print("   (random weights: this shows the mechanism; the trained model and its measured trade-off come later)")
+    print("Examples (each token with the decoder layer it exited after):")
+    pictured = []
+    for name, count in (("vqa", 3), ("entailment", 2), ("caption", 4)):
+        args.task = name
+        inputs = task_inputs(args, processor, "test", count, count)
+        batch = inputs.batches[0]
+        with torch.no_grad():
+            out = model.generate(
+                **batch, **knobs, max_new_tokens=inputs.task.max_new_tokens, do_sample=False,
+                return_dict_in_generate=True,
+            )  # fmt: skip
+        prompts = processor.batch_decode(batch["input_ids"], skip_special_tokens=True)
+        for row, prompt in enumerate(prompts):
+            tokens = [
+                (processor.tokenizer.decode([token]).strip(), int(layer))
+                for token, layer in zip(out.sequences[row, 1:].tolist(), out.exit_layers[row].tolist(), strict=True)
+                if token not in processor.tokenizer.all_special_ids
+            ]
+            image_layers, text_layers = out.encoder_exit_layers[row].tolist()
+            shown = " ".join(f"{token}({layer})" for token, layer in tokens)
+            print(f"  [{name}]{prompt.rstrip()} -> {shown}  (encoder layers: image {image_layers}, text {text_layers})")
+            if name == "caption":
+                pictured.append(tokens)
+    picture = exit_picture(pictured, config.decoder_layers, Path(args.output_dir) / "caption_exits.png")
+    print(f"The captions' exit layers, as a picture: {picture}")
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from .evaluation import run_task, score
+    from .measures import PartCosts, expected_time_reduction
+
+    model, processor = load_model_and_processor(args.model_dir)
+    knobs = exit_knobs(args, model)
+    inputs = task_inputs(args, processor, args.split, args.samples, args.batch_size)
+    run = run_task(model, processor, inputs, knobs)
+    config, first = model.config, inputs.batches[0]
+    image_tokens = model.get_encoder().embed_image(first["pixel_values"][:1])[0].shape[1]
+    costs = PartCosts.from_config(config, image_tokens, first["input_ids"].shape[1], inputs.task.max_new_tokens)
+    report = {
+        "task": inputs.task.name,
+        "split": args.split,
+        "samples": inputs.samples,
+        "settings": knobs,
+        "scores": score(inputs.task, run.predictions, inputs.targets, meteor=args.meteor),
+        "expected_time_reduction_flops": expected_time_reduction(
+            run.encoder_exit_layers, run.decoder_exit_layers, costs, config.encoder_layers, config.decoder_layers
+        ),
+        "seconds": run.seconds,
+    }
+    print(json.dumps(report, indent=None if args.json else 2))
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from .benchmark import measure_part_costs
+    from .calibration import (
+        ENCODER_THRESHOLDS,
+        calibration_grid,
+        fastest_for_every_task,
+        learn_then_test,
+        pareto_frontier,
+        sweep,
+        write_generation_defaults,
+    )
+    from .plots import tradeoff_plot
+
+    model, processor = load_model_and_processor(args.model_dir)
+    encoder_thresholds = parse_floats(args.encoder_thresholds) if args.encoder_thresholds else ENCODER_THRESHOLDS
+    decoder_thresholds = {policy: parse_floats(text) for policy, text in (("similarity", args.similarity_thresholds),
+                          ("confidence", args.confidence_thresholds)) if text}  # fmt: skip
+    grid = calibration_grid(model.config, decoder_thresholds, encoder_thresholds)
+    sweeps, report = {}, {"split": args.split, "tolerance": args.tolerance, "points": len(grid), "tasks": {}}
+    for name in args.tasks.split(","):
+        args.task = name
+        inputs = task_inputs(args, processor, args.split, args.samples, args.batch_size)
+        costs = measure_part_costs(model, inputs)
+        full, points = sweeps[name] = sweep(model, processor, inputs, grid, costs, progress=not args.quiet)
+        guaranteed = learn_then_test(points, risk_level=args.tolerance, delta=args.delta)
+        report["tasks"][name] = {
+            "full_quality": full.quality,
+            "pareto_frontier": [
+                {
+                    "settings": p.settings,
+                    "quality": p.quality,
+                    "expected_time_reduction": p.expected_time_reduction,
+                    "seconds": p.seconds,
+                }
+                for p in pareto_frontier(points)
+            ],  # fmt: skip
+            "learn_then_test": None if guaranteed is None else guaranteed.settings,
+        }
+    chosen = fastest_for_every_task(sweeps, args.tolerance)
+    report["chosen"] = chosen
+    for name, (full, points) in sweeps.items():
+        point = next((p for p in points if p.settings == chosen), None)
+        report["tasks"][name]["chosen"] = None if point is None else {
+            "quality": point.quality,
+            "quality_ratio": point.quality / full.quality if full.quality else None,
+            "expected_time_reduction": point.expected_time_reduction,
+            "seconds": point.seconds,
+            "full_seconds": full.seconds,
+        }  # fmt: skip
+    if args.plot:
+        report["plot"] = str(tradeoff_plot(sweeps, args.plot, chosen))
+    if args.write:
+        if chosen is None:
+            raise ValueError(
+                f"No setting keeps every task within {args.tolerance:.1%} of the full model: nothing written."
+            )
+        write_generation_defaults(model, chosen)
+        model.generation_config.save_pretrained(args.model_dir)
+        Path(args.model_dir, "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+        report["written_to"] = str(Path(args.model_dir, "generation_config.json"))
+    print(json.dumps(report, indent=None if args.json else 2))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .benchmark import forced_exit_benchmark, training_step_benchmark
+    from .benchmark import forced_exit_benchmark, task_benchmark, training_step_benchmark
 
+    if args.model_dir:
+        if args.forced_exit is not None or args.training_step:
+            raise ValueError("Give a model folder (task benchmark) or --forced-exit / --training-step, not both.")
+        model, processor = load_model_and_processor(args.model_dir)
+        knobs = exit_knobs(args, model)
+        if not knobs:
+            raise ValueError(
+                "No exit setting: give exit knobs, or calibrate the model (`hf-earlyexit calibrate --write`)."
+            )
+        inputs = task_inputs(args, processor, "test", args.samples, args.batch_size)
+        report = task_benchmark(model, processor, inputs, knobs, args.repeats, meteor=args.meteor)
+        print(json.dumps(report, indent=None if args.json else 2))
+        return
+    if args.forced_exit is None and not args.training_step:
+        raise ValueError("Give a model folder, --forced-exit K or --training-step.")
     batch_sizes = tuple(int(size) for size in args.batch_sizes.split(",")) if args.batch_sizes else ()
     if any(size < 1 for size in batch_sizes) or args.repeats < 1 or args.new_tokens < 1:
         raise ValueError("--batch-sizes, --repeats and --new-tokens must be positive.")
@@ -183,6 +302,26 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(json.dumps(report, indent=None if args.json else 2))
 
 
+def parse_floats(text: str) -> list[float]:
+    """'0.9,0.95' -> [0.9, 0.95] (thresholds)."""
+    return parse_list(text, float, "Thresholds must be comma-separated numbers")
+
+
+def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
+    """Exit knobs of `generate`; without any, a run uses the model's saved (calibrated) defaults."""
+    parser.add_argument("--exit-threshold", dest="exit_threshold", type=float)
+    parser.add_argument("--exit-policy", dest="exit_policy", choices=["similarity", "confidence", "patience"])
+    parser.add_argument("--encoder-image-exit-threshold", dest="encoder_image_exit_threshold", type=float)
+    parser.add_argument("--encoder-text-exit-threshold", dest="encoder_text_exit_threshold", type=float)
+    parser.add_argument("--encoder-exit-threshold", dest="encoder_exit_threshold", type=float)
+    parser.add_argument("--full", action="store_true", help="the full model (no exit)")
+
+
+def add_task_arguments(parser: argparse.ArgumentParser, samples: int, batch_size: int) -> None:
+    parser.add_argument("--samples", type=int, default=samples, help=f"samples of the split (default {samples})")
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+
+
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """The data, model and run options of `hf-earlyexit train` and `examples/train_*.py`."""
     parser.add_argument("--model-dir", help="a saved hf-earlyexit model to start from (default: a small new one)")
@@ -195,7 +334,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-column", default="image")
     parser.add_argument("--text-column", default="question", help="prompt column ('' = use --prompt for all rows)")
     parser.add_argument("--target-column", default="answer")
-    parser.add_argument("--prompt", default=" what does the image describe?")
+    parser.add_argument("--prompt", default=CAPTION_PROMPT)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
@@ -204,10 +343,14 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_layers(text: str) -> list[int]:
     """'1,2,3' -> [1, 2, 3] (decoder layers for exit transformer layers)."""
+    return parse_list(text, int, "Exit layers must be comma-separated layer numbers")
+
+
+def parse_list(text: str, kind: type, message: str) -> list:
     try:
-        return [int(layer) for layer in text.split(",")]
+        return [kind(value) for value in text.split(",")]
     except ValueError:
-        raise ValueError(f"Exit layers must be comma-separated layer numbers, got {text!r}.") from None
+        raise ValueError(f"{message}, got {text!r}.") from None
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -241,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     caption = commands.add_parser("caption", help="caption images with a saved model")
     caption.add_argument("model_dir")
     caption.add_argument("images", nargs="+")
-    caption.add_argument("--prompt", default=PROMPT)
+    caption.add_argument("--prompt", default=CAPTION_PROMPT)
     caption.add_argument("--num-beams", type=int, default=5)
     caption.add_argument("--max-new-tokens", type=int, default=16)
     caption.set_defaults(run=cmd_caption)
@@ -256,14 +399,47 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--freeze-backbone", action="store_true", help="train the exit heads only")
     train.set_defaults(run=cmd_train)
 
+    task_names = ["vqa", "entailment", "caption"]
+    evaluate = commands.add_parser("eval", help="score a saved model on a task's split (JSON)")
+    evaluate.add_argument("model_dir")
+    evaluate.add_argument("--task", required=True, choices=task_names)
+    evaluate.add_argument("--split", default="test", choices=["train", "validation", "test"])
+    evaluate.add_argument("--meteor", action="store_true", help="also METEOR for captions (Java, about 10 s)")
+    evaluate.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
+    add_task_arguments(evaluate, samples=1000, batch_size=32)
+    add_knob_arguments(evaluate)
+    evaluate.set_defaults(run=cmd_eval)
+
+    calibrate = commands.add_parser(
+        "calibrate", help="sweep exit thresholds on a validation split and pick the fastest setting within tolerance"
+    )
+    calibrate.add_argument("model_dir")
+    calibrate.add_argument("--tasks", default="vqa,entailment,caption", help="comma-separated (default: all three)")
+    calibrate.add_argument("--split", default="validation", choices=["train", "validation", "test"])
+    calibrate.add_argument("--tolerance", type=float, default=0.01, help="quality loss allowed (default 0.01 = 1%%)")
+    calibrate.add_argument("--delta", type=float, default=0.1, help="Learn-then-Test error level (default 0.1)")
+    calibrate.add_argument("--encoder-thresholds", help="encoder streams' similarity thresholds, comma-separated")
+    calibrate.add_argument("--similarity-thresholds", default="0.95,0.98", help="decoder, similarity policy")
+    calibrate.add_argument("--confidence-thresholds", default="0.6,0.8,0.9,0.95", help="decoder, confidence")
+    calibrate.add_argument("--plot", help="write the quality / time-reduction trade-off to this PNG")
+    calibrate.add_argument("--write", action="store_true", help="save the choice as the model's generation defaults")
+    calibrate.add_argument("--quiet", action="store_true", help="no progress bar")
+    calibrate.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
+    add_task_arguments(calibrate, samples=300, batch_size=64)
+    calibrate.set_defaults(run=cmd_calibrate)
+
     bench = commands.add_parser(
         "bench",
-        help="time full vs forced-exit vs truncated models, or a training step per exit loss (random weights); "
-        "prints JSON",
+        help="MODEL_DIR: full vs early-exit model on a task's test split (quality, time reduction, wall clock); "
+        "or --forced-exit / --training-step with random weights; prints JSON",
     )
-    mode = bench.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--forced-exit", type=int, help="exit every row after this many layers")
-    mode.add_argument(
+    bench.add_argument("model_dir", nargs="?", help="a saved model: the task benchmark")
+    bench.add_argument("--task", default="caption", choices=task_names, help="with MODEL_DIR (default caption)")
+    bench.add_argument("--meteor", action="store_true", help="with MODEL_DIR: also METEOR for captions")
+    add_task_arguments(bench, samples=500, batch_size=1)
+    add_knob_arguments(bench)
+    bench.add_argument("--forced-exit", type=int, help="exit every row after this many layers")
+    bench.add_argument(
         "--training-step",
         action="store_true",
         help="time a training step (forward + backward) per exit loss; --batch-sizes' first size is the batch, "
@@ -281,8 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     bench.set_defaults(run=cmd_bench)
 
-    demo = commands.add_parser("demo", help="convert, build and caption end to end")
-    demo.add_argument("--output-dir", default="out/demo")
+    demo = commands.add_parser(
+        "demo", help="the model that ships in the package: answers and captions with early exit vs the full model"
+    )
+    demo.add_argument("model_dir", nargs="?", help="another calibrated model folder (default: the embedded one)")
+    demo.add_argument("--output-dir", default="out/demo", help="where the exit picture goes")
+    demo.add_argument("--batch-size", type=int, default=16)
     demo.set_defaults(run=cmd_demo)
     return parser
 

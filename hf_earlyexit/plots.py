@@ -9,6 +9,25 @@ from typing import Any
 from .calibration import OperatingPoint, pareto_frontier
 
 
+def pyplot():
+    """matplotlib's pyplot on the non-interactive backend (files only, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot().close(figure)
+    return path
+
+
 def policy_of(settings: dict[str, Any]) -> str:
     """A label for a setting's family: the decoder policy, and whether the encoder exits too."""
     encoder = any(name.startswith("encoder") for name in settings)
@@ -24,11 +43,7 @@ def tradeoff_plot(
 ) -> Path:
     """One panel per task: every swept point as (expected time reduction %, quality % of the full model), the
     Pareto frontier of each policy family, the full model at (0, 100) and the `chosen` setting circled."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, axes = plt.subplots(1, len(sweeps), figsize=(5.2 * len(sweeps), 4.2), squeeze=False)
     for axis, (task, (full, points)) in zip(axes[0], sweeps.items(), strict=True):
         families: dict[str, list[OperatingPoint]] = {}
@@ -63,21 +78,14 @@ def tradeoff_plot(
         axis.set_ylabel("quality (% of the full model)")
         axis.set_ylim(bottom=max(0, axis.get_ylim()[0]))
         axis.legend(fontsize=7, loc="lower left")
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save(figure, path)
 
 
 def exit_picture(captions: Sequence[Sequence[tuple[str, int]]], decoder_layers: int, path: str | Path) -> Path:
     """Each caption as a row of its tokens, each on a box coloured by the decoder layer it exited at."""
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     colours = matplotlib.colormaps["viridis"].resampled(decoder_layers)
     width = max(sum(max(len(token), 2) + 1 for token, _ in caption) for caption in captions)
     figure, axis = plt.subplots(figsize=(max(6.0, 0.13 * width), 0.55 * len(captions) + 0.9))
@@ -101,12 +109,7 @@ def exit_picture(captions: Sequence[Sequence[tuple[str, int]]], decoder_layers: 
         fontsize=7,
         frameon=False,
     )
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save(figure, path)
 
 
 __all__ = ["exit_picture", "policy_of", "tradeoff_plot"]

@@ -53,7 +53,7 @@ class Task:
 
 TASKS = {
     "vqa": Task("vqa", "vqa_accuracy", "accuracy", "answer", max_new_tokens=4, num_beams=1),
-    "entailment": Task("entailment", "entailment_accuracy", "accuracy", "answer", max_new_tokens=2, num_beams=1),
+    "entailment": Task("entailment", "entailment_accuracy", "accuracy", "answer", max_new_tokens=4, num_beams=1),
     "caption": Task("caption", "coco_caption", "CIDEr", "caption", max_new_tokens=24, num_beams=1),
 }
 

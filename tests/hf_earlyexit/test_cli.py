@@ -112,10 +112,83 @@ def test_train_saves_a_model_that_loads_with_its_exit_heads(tmp_path, capsys, ex
     assert (tmp_path / "trained" / "processor_config.json").is_file()
 
 
-def test_demo_runs_end_to_end_and_shows_exit_layers(bart_tokenizer_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("HF_EARLYEXIT_SHARED", str(bart_tokenizer_dir.parents[1]))
+@pytest.fixture
+def task_model_dir(tmp_path):
+    """A tiny random model with MuE's decomposed encoder, a BPE trained on the tasks' text, 64 px images."""
+    from hf_earlyexit.data import train_tokenizer
+    from hf_earlyexit.tasks import get_task
+
+    texts = [text for name in ("vqa", "caption") for column in ("prompt", "target")
+             for text in get_task(name).dataset("validation", size=50)[column]]  # fmt: skip
+    tokenizer = train_tokenizer(texts, vocab_size=300)
+    folder = tmp_path / "task_model"
+    tiny_model(vocab_size=len(tokenizer), decompose_encoder_modalities=True, decoder_layers=4).save_pretrained(folder)
+    OFAProcessor(OFAImageProcessor(size={"height": 64, "width": 64}), tokenizer).save_pretrained(folder)
+    return folder
+
+
+def test_eval_prints_the_tasks_scores_and_time_reduction(task_model_dir, capsys):
+    argv = ["eval", str(task_model_dir), "--task", "vqa", "--split", "validation", "--samples", "6", "--json"]
+    assert main([*argv, "--exit-policy", "confidence", "--exit-threshold", "0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["samples"] == 6 and 0 <= report["scores"]["accuracy"] <= 1
+    assert report["settings"] == {"exit_policy": "confidence", "exit_threshold": 0.0}
+    assert 0 < report["expected_time_reduction_flops"] < 1  # every token left after decoder layer 1 of 4
+
+
+def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_path, capsys):
+    from PIL import Image
+
+    plot = tmp_path / "tradeoff.png"
+    argv = ["calibrate", str(task_model_dir), "--tasks", "vqa,caption", "--samples", "4", "--batch-size", "4"]
+    thresholds = ["--similarity-thresholds", "0.9", "--confidence-thresholds", "0.0", "--encoder-thresholds", "-1"]
+    assert main([*argv, *thresholds, "--tolerance", "0.99", "--plot", str(plot), "--write", "--quiet", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["points"] == 3 * 2 * 2 - 1 and set(report["tasks"]) == {"vqa", "caption"}
+    chosen = report["chosen"]
+    assert chosen is not None and all(report["tasks"][task]["chosen"] for task in ("vqa", "caption"))
+    saved = json.loads((task_model_dir / "generation_config.json").read_text())
+    assert all(saved[name] == value for name, value in chosen.items())
+    assert json.loads((task_model_dir / "calibration.json").read_text())["chosen"] == chosen
+    assert Image.open(plot).size[0] > 0
+
+    argv = ["bench", str(task_model_dir), "--task", "vqa", "--samples", "4", "--batch-size", "2", "--repeats", "1"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["task"] == "vqa" and report["metric"] == "accuracy" and report["early_exit"]["settings"] == chosen
+    for side in ("full", "early_exit"):
+        assert {"quality", "seconds"} <= set(report[side]) and report[side]["seconds"] > 0
+    assert 0 <= report["early_exit"]["expected_time_reduction"] < 1
+    ratio = report["early_exit"]["seconds"] / report["full"]["seconds"]
+    assert report["wall_clock_time_reduction"] == pytest.approx(1 - ratio, abs=1e-4)
+    assert set(report["per_part_seconds"]) >= {"decoder_layer_per_token", "encoder_image_layer_per_sample"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["eval", "{t}/nowhere", "--task", "vqa"], "not a model folder"),
+        (["bench", "{m}", "--task", "vqa", "--samples", "2"], "No exit setting"),
+        (["eval", "{m}", "--task", "vqa", "--samples", "0"], "--samples must be positive"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--encoder-thresholds", "high"], "comma-separated numbers"),
+        (["calibrate", "{m}", "--tasks", "ocr"], "Unknown task 'ocr'"),
+        (["bench", "{m}", "--forced-exit", "1"], "not both"),
+        (["bench"], "Give a model folder"),
+    ],
+)
+def test_task_command_errors_are_one_line(task_model_dir, tmp_path, capsys, argv, message):
+    argv = [arg.format(t=tmp_path, m=task_model_dir) for arg in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-earlyexit: error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_demo_uses_the_embedded_model_and_shows_exit_layers_and_savings(tmp_path, capsys):
     assert main(["demo", "--output-dir", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
-    assert "max |logits - official OFA logits|" in out
-    assert "decoder layers run per token [" in out
-    assert (tmp_path / "demo" / "ofa-tiny" / "generation_early_exit.py").is_file()
+    assert "embedded_model with AutoModel/AutoProcessor (trust_remote_code=True)" in out
+    for task in ("vqa", "entailment", "caption"):
+        assert f"  {task} " in out
+    assert "expected time reduction" in out and "% of full" in out
+    assert "[caption] what does the image describe? -> " in out and ("(1)" in out or "(2)" in out)
+    assert (tmp_path / "demo" / "caption_exits.png").stat().st_size > 0

@@ -1,0 +1,292 @@
+"""Configuration of OFA with early exits (hf-earlyexit).
+
+The architecture fields keep the names of the official OFA Hugging Face port (`OFAConfig`), so a
+`config.json` of an official checkpoint converts field by field. The defaults are OFA-base; the
+`from_preset` class method builds the published sizes.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+
+from .generation_early_exit import EXIT_KNOBS, check_scalar_knobs
+
+# Bottleneck blocks in ResNet stages 1..3 (OFA drops stage 4 and reads stage 3's 1024 channels).
+RESNET_LAYERS = {"resnet50": (3, 4, 6), "resnet101": (3, 4, 23), "resnet152": (3, 8, 36)}
+# A light stem for small models (two strided convolutions, stride 16 like the ResNets); not an OFA stem.
+PATCH_STEM = "patch"
+IMAGE_STEMS = (*RESNET_LAYERS, PATCH_STEM)
+
+PRESETS = {
+    "tiny": dict(
+        d_model=256,
+        encoder_layers=4,
+        decoder_layers=4,
+        encoder_ffn_dim=1024,
+        decoder_ffn_dim=1024,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        resnet_type="resnet50",
+    ),
+    "medium": dict(
+        d_model=512,
+        encoder_layers=4,
+        decoder_layers=4,
+        encoder_ffn_dim=2048,
+        decoder_ffn_dim=2048,
+        encoder_attention_heads=8,
+        decoder_attention_heads=8,
+        resnet_type="resnet101",
+    ),
+    "base": dict(
+        d_model=768,
+        encoder_layers=6,
+        decoder_layers=6,
+        encoder_ffn_dim=3072,
+        decoder_ffn_dim=3072,
+        encoder_attention_heads=12,
+        decoder_attention_heads=12,
+        resnet_type="resnet101",
+    ),
+    "large": dict(
+        d_model=1024,
+        encoder_layers=12,
+        decoder_layers=12,
+        encoder_ffn_dim=4096,
+        decoder_ffn_dim=4096,
+        encoder_attention_heads=16,
+        decoder_attention_heads=16,
+        resnet_type="resnet152",
+    ),
+    "huge": dict(
+        d_model=1280,
+        encoder_layers=24,
+        decoder_layers=12,
+        encoder_ffn_dim=5120,
+        decoder_ffn_dim=5120,
+        encoder_attention_heads=16,
+        decoder_attention_heads=16,
+        resnet_type="resnet152",
+    ),
+}
+
+
+@strict
+class OFAEarlyExitConfig(PreTrainedConfig):
+    r"""
+    Configuration of [`EarlyExitOFAForConditionalGeneration`].
+
+    Architecture (names and meaning as in the official OFA port):
+        vocab_size: tokens in the shared embedding / output projection (BART BPE 50265 + 8192 image codes + 1000 bins).
+        max_position_embeddings: text positions; the absolute table has 2 extra (unused) rows, as in OFA.
+        d_model: hidden width of every layer.
+        encoder_layers / decoder_layers: number of Transformer layers.
+        encoder_ffn_dim / decoder_ffn_dim: inner width of the feed-forward blocks.
+        encoder_attention_heads / decoder_attention_heads: attention heads (d_model must divide evenly).
+        encoder_layerdrop / decoder_layerdrop: probability of skipping a whole layer in training.
+        encoder_normalize_before / decoder_normalize_before: pre-LN layers (the only kind OFA checkpoints use).
+        encoder_drop_path_rate / decoder_drop_path_rate: stochastic depth of the last layer, linear from 0 at layer 0.
+        resnet_drop_path_rate: stochastic depth of the ResNet stem's last block.
+        activation_function: FFN activation (OFA uses exact-erf "gelu").
+        dropout: after the embedding LayerNorm, attention and fc2.
+        attention_dropout: on attention probabilities.
+        activation_dropout: after the FFN activation.
+        init_std: std of the normal init of linear and embedding weights.
+        scale_embedding: multiply embeddings by sqrt(d_model).
+        normformer: NormFormer extras: mid-LayerNorms after attention, FFN LayerNorm and per-head `c_attn` scale.
+        layernorm_embedding / patch_layernorm_embedding / code_layernorm_embedding: LayerNorm on text, image-patch
+            and image-code embeddings (the code one exists for checkpoint compatibility; image generation is not
+            implemented).
+        resnet_type: image stem, "resnet50" | "resnet101" | "resnet152" (OFA: stages 1-3, 1024 channels, stride 16),
+            or "patch", a light two-convolution stem for small models (256 channels, stride 16).
+        token_bucket_size: buckets of the 1D log-bucketed text relative position bias.
+        image_bucket_size: patches per side of the 2D image position grid (max image side = 16 * this).
+        add_type_embedding: add a text (0) / image (1) type embedding in the encoder.
+        attn_scale_factor: attention and position logits are scaled by (attn_scale_factor * head_dim) ** -0.5.
+        code_image_size: image-code grid of OFA's image generation (kept for checkpoint compatibility).
+        entangle_position_embedding: add absolute positions to the token embeddings (not used by OFA checkpoints;
+            only False is supported).
+        tie_word_embeddings: one tensor for encoder embedding, decoder embedding and output projection.
+        decompose_encoder_modalities: MuE's modality-decomposed encoder: image and text streams run separately
+            through the shared layers (no cross-modal attention) and are concatenated before the final LayerNorm.
+        decomposed_image_relative_bias: with a decomposed encoder, add the image relative bias to the image stream.
+            False reproduces the official MuE code, whose image stream uses the absolute bias only.
+
+    Early-exit defaults (every one can be overridden per `generate` call, or in the generation config):
+        exit_threshold: decoder exit threshold; None = no decoder exits (the full model).
+        exit_policy: "similarity" (MuE: cosine of a layer's output and input), "confidence" (max probability of
+            the exit head) or "patience" (the exit head's argmax unchanged for `exit_threshold` layers).
+        exit_threshold_schedule: "constant", "mue_decay" (the paper's), "mue_official" (the official code's) or
+            "calm_decay": how the decoder threshold moves over the decoding steps.
+        encoder_exit_threshold: cosine-similarity exit of the joint encoder; None = full depth.
+        encoder_image_exit_threshold / encoder_text_exit_threshold: the same per stream of a decomposed encoder.
+        kv_strategy: what skipped decoder layers get in the cache: "propagate", "copy" or "recompute".
+        min_exit_layer: the first decoder layer (1-based) a token may exit after.
+
+    Exit heads (trained modules that map a decoder layer's output to the input of the shared final LayerNorm and
+    output projection; with neither field set, every layer uses the shared head directly, as MuE does):
+        exit_adapter_dim: DEED's adaptation modules: a residual bottleneck (LayerNorm, d_model -> this -> d_model)
+            after every decoder layer but the last, before the shared head. None = no adapters.
+        exit_transformer_layers: BLIPEE's exit layers: the 1-based decoder layers (each before the last) that carry
+            an exit transformer layer feeding the shared head; tokens may exit only after these layers. An exit
+            layer reads the keys and values its host layer already computed, so it adds no cache. None = no exit
+            layers.
+    """
+
+    model_type = "ofa_early_exit"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        "num_attention_heads": "encoder_attention_heads",
+        "hidden_size": "d_model",
+        "num_hidden_layers": "decoder_layers",
+    }
+
+    vocab_size: int = 59457
+    max_position_embeddings: int = 1024
+    d_model: int = 768
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    encoder_ffn_dim: int = 3072
+    decoder_ffn_dim: int = 3072
+    encoder_attention_heads: int = 12
+    decoder_attention_heads: int = 12
+    encoder_layerdrop: float = 0.0
+    decoder_layerdrop: float = 0.0
+    encoder_normalize_before: bool = True
+    decoder_normalize_before: bool = True
+    encoder_drop_path_rate: float = 0.0
+    decoder_drop_path_rate: float = 0.0
+    resnet_drop_path_rate: float = 0.0
+    activation_function: str = "gelu"
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    init_std: float = 0.02
+    scale_embedding: bool = False
+    normformer: bool = True
+    layernorm_embedding: bool = True
+    patch_layernorm_embedding: bool = True
+    code_layernorm_embedding: bool = True
+    resnet_type: str = "resnet101"
+    token_bucket_size: int = 256
+    image_bucket_size: int = 42
+    add_type_embedding: bool = True
+    attn_scale_factor: float = 2.0
+    code_image_size: int = 128
+    entangle_position_embedding: bool = False
+    tie_word_embeddings: bool = True
+    decompose_encoder_modalities: bool = False
+    decomposed_image_relative_bias: bool = False
+    exit_threshold: float | None = None
+    exit_policy: str = "similarity"
+    exit_threshold_schedule: str = "constant"
+    encoder_exit_threshold: float | None = None
+    encoder_image_exit_threshold: float | None = None
+    encoder_text_exit_threshold: float | None = None
+    kv_strategy: str = "propagate"
+    min_exit_layer: int = 1
+    exit_adapter_dim: int | None = None
+    exit_transformer_layers: list[int] | None = None
+
+    use_cache: bool = True
+    is_encoder_decoder: bool = True
+    pad_token_id: int | None = 1
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 2
+    decoder_start_token_id: int | None = 0
+    forced_eos_token_id: int | list[int] | None = 2
+
+    def __post_init__(self, **kwargs):
+        # Check here too: `@strict` wraps validator errors in its own (non-ValueError) exception type.
+        self.validate_architecture()
+        check_scalar_knobs({name: getattr(self, name, default) for name, default in EXIT_KNOBS.items()}, self)
+        super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "OFAEarlyExitConfig":
+        """The published OFA sizes: "tiny", "medium", "base", "large", "huge" (any field can be overridden)."""
+        if name not in PRESETS:
+            raise ValueError(f"Unknown OFA preset {name!r}; choose one of {sorted(PRESETS)}.")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @property
+    def exit_points(self) -> list[int]:
+        """The 1-based decoder layers a token may exit after (the last layer is the full model, not an exit)."""
+        if self.exit_transformer_layers is not None:
+            return list(self.exit_transformer_layers)
+        return list(range(1, self.decoder_layers))
+
+    @property
+    def image_feature_dim(self) -> int:
+        """Channels of the image stem's output, the input width of `image_proj`."""
+        return 256 if self.resnet_type == PATCH_STEM else 1024
+
+    def validate_architecture(self):
+        """Part of `@strict` validation: every message names the offending field."""
+        positive = (
+            "vocab_size",
+            "max_position_embeddings",
+            "d_model",
+            "encoder_layers",
+            "decoder_layers",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+            "image_bucket_size",
+            "code_image_size",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)}.")
+        for side in ("encoder", "decoder"):
+            heads = getattr(self, f"{side}_attention_heads")
+            if self.d_model % heads:
+                raise ValueError(f"`d_model` ({self.d_model}) must be divisible by `{side}_attention_heads` ({heads}).")
+        rates = (
+            "encoder_layerdrop",
+            "decoder_layerdrop",
+            "encoder_drop_path_rate",
+            "decoder_drop_path_rate",
+            "resnet_drop_path_rate",
+            "dropout",
+            "attention_dropout",
+            "activation_dropout",
+        )
+        for name in rates:
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"`{name}` must lie in [0, 1], got {getattr(self, name)}.")
+        if self.resnet_type not in IMAGE_STEMS:
+            raise ValueError(f"Unknown `resnet_type` {self.resnet_type!r}; choose one of {list(IMAGE_STEMS)}.")
+        if self.activation_function not in ACT2FN:
+            raise ValueError(f"Unknown `activation_function` {self.activation_function!r}.")
+        if not 2 <= self.token_bucket_size < 2 * (self.max_position_embeddings - 1):
+            raise ValueError(
+                f"`token_bucket_size` must lie in [2, 2 * (max_position_embeddings - 1)), got {self.token_bucket_size}."
+            )
+        if self.attn_scale_factor <= 0:
+            raise ValueError(f"`attn_scale_factor` must be positive, got {self.attn_scale_factor}.")
+        if self.init_std <= 0:
+            raise ValueError(f"`init_std` must be positive, got {self.init_std}.")
+        for name in ("encoder_normalize_before", "decoder_normalize_before"):
+            if not getattr(self, name):
+                raise ValueError(f"`{name}=False` (post-LN) is not supported: OFA layers are pre-LN.")
+        if self.exit_adapter_dim is not None and self.exit_adapter_dim < 1:
+            raise ValueError(f"`exit_adapter_dim` must be a positive integer or None, got {self.exit_adapter_dim}.")
+        layers = self.exit_transformer_layers
+        if layers is not None:
+            if self.exit_adapter_dim is not None:
+                raise ValueError("Set `exit_adapter_dim` (DEED) or `exit_transformer_layers` (BLIPEE), not both.")
+            increasing = list(layers) == sorted(set(layers))
+            if not layers or not increasing or not 1 <= layers[0] <= layers[-1] < self.decoder_layers:
+                raise ValueError(
+                    "`exit_transformer_layers` must be increasing 1-based decoder layers before the last "
+                    f"(1..{self.decoder_layers - 1}), got {layers}."
+                )
+        if self.entangle_position_embedding:
+            raise ValueError("`entangle_position_embedding=True` is not supported: OFA keeps positions in the biases.")
+
+
+__all__ = ["OFAEarlyExitConfig"]
+
+OFAEarlyExitConfig.register_for_auto_class()

@@ -1,0 +1,175 @@
+"""EarlyExitCache: the decoder's self-attention cache when tokens leave the layer stack early.
+
+Every layer keeps one slot per token for every row, so all layers stay aligned with layer 0 and everything in
+`generate` that reads the cache length, reorders beams or crops keeps working. At each decoding step the decoder
+opens the new slots in every layer (`open_slots`); a layer fills its slots for the rows it runs on (`write`), and
+when a row exits, the cache fills that row's slots in the layers it skipped, by the `kv_strategy`:
+
+- `propagate` (CALM): each skipped layer's own pre-LN + k/v projections of the exited hidden state;
+- `copy` (what the official MuE code meant to do): the exit layer's K/V, copied;
+- `recompute` (DEED): nothing yet; the slot remembers the exited state and the first layer it still needs
+  (`pending` / `frontier`). When a later token of that row reaches that layer, the decoder first runs the layer on
+  the waiting states (`pending_inputs` -> layer -> `advance`), so the finished K/V equal a full-depth pass.
+
+The cache never imports the model: `propagate` asks the decoder for the projections through a callable.
+"""
+
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import DynamicCache
+
+KV_STRATEGIES = ("propagate", "copy", "recompute")
+
+
+class EarlyExitCache(DynamicCache):
+    """A `DynamicCache` with aligned per-token slots and a strategy for the layers an exited token skipped.
+
+    Slots are addressed either by a slice of the newest positions (the tokens of this step) or, for `recompute`'s
+    catch-up, by an index tensor [rows, queries] where -1 marks padding.
+    """
+
+    def __init__(self, config: PreTrainedConfig, kv_strategy: str = "propagate"):
+        if kv_strategy not in KV_STRATEGIES:
+            raise ValueError(f"Unknown `kv_strategy` {kv_strategy!r}; choose one of {list(KV_STRATEGIES)}.")
+        super().__init__(config=config)
+        self.kv_strategy = kv_strategy
+        self.num_layers = len(self.layers)
+        # recompute only: per row and slot, the first layer index still to run (num_layers = complete), and the
+        # hidden state that layer takes as input.
+        self.frontier: torch.Tensor | None = None  # [batch, T]
+        self.pending: torch.Tensor | None = None  # [batch, T, d_model]
+        # Layers that may have waiting tokens, kept in Python so that asking costs no device sync.
+        self.waiting_layers: set[int] = set()
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def open_slots(self, hidden_states: torch.Tensor, num_heads: int) -> slice:
+        """Append one empty slot per new token (hidden_states [batch, q, d]) to every layer; returns their slice."""
+        batch, length, width = hidden_states.shape
+        start = self.get_seq_length()
+        empty = hidden_states.new_zeros(batch, num_heads, length, width // num_heads)
+        for layer_idx in range(self.num_layers):
+            self.layers[layer_idx].update(empty, empty)
+        if self.kv_strategy == "recompute":
+            complete = torch.full((batch, length), self.num_layers, dtype=torch.long, device=hidden_states.device)
+            waiting = hidden_states.new_zeros(batch, length, width)
+            self.frontier = complete if self.frontier is None else torch.cat([self.frontier, complete], dim=1)
+            self.pending = waiting if self.pending is None else torch.cat([self.pending, waiting], dim=1)
+        return slice(start, start + length)
+
+    def write(
+        self,
+        layer_idx: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rows: torch.Tensor | None,
+        slots: slice | torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store K/V [rows, heads, q, head_dim] at `slots` of `rows` (None: every row, in order).
+
+        Returns the layer's whole keys and values, [batch, heads, T, head_dim].
+        """
+        layer = self.layers[layer_idx]
+        if isinstance(slots, slice):
+            target = (slice(None) if rows is None else rows, slice(None), slots)
+            layer.keys[target] = key
+            layer.values[target] = value
+        else:
+            valid = slots >= 0
+            row_index = rows[:, None].expand_as(slots)[valid]
+            slot_index = slots[valid]
+            layer.keys[row_index, :, slot_index] = key.transpose(1, 2)[valid]
+            layer.values[row_index, :, slot_index] = value.transpose(1, 2)[valid]
+        return layer.keys, layer.values
+
+    def fill_skipped(
+        self,
+        last_layer: int,
+        rows: torch.Tensor | None,
+        slots: slice,
+        hidden_states: torch.Tensor,
+        project: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Rows (None: all) that exited after layer index `last_layer` with `hidden_states` [rows, q, d]: fill the
+        slots of the layers they skip. `project(layer_idx, hidden)` gives that layer's K/V of a hidden state."""
+        skipped = range(last_layer + 1, self.num_layers)
+        row_index = slice(None) if rows is None else rows
+        if self.kv_strategy == "propagate":
+            for layer_idx in skipped:
+                self.write(layer_idx, *project(layer_idx, hidden_states), rows, slots)
+        elif self.kv_strategy == "copy":
+            exit_layer = self.layers[last_layer]
+            key, value = exit_layer.keys[row_index, :, slots], exit_layer.values[row_index, :, slots]
+            for layer_idx in skipped:
+                self.write(layer_idx, key, value, rows, slots)
+        elif last_layer + 1 < self.num_layers:
+            self.frontier[row_index, slots] = last_layer + 1
+            self.pending[row_index, slots] = hidden_states.to(self.pending.dtype)
+            self.waiting_layers.add(last_layer + 1)
+
+    def pending_inputs(
+        self, layer_idx: int, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """recompute: of `rows`, those with tokens waiting for layer `layer_idx`, their waiting hidden states
+        [rows', P, d] and slots [rows', P] (chronological, -1 = padding), or None when nothing waits."""
+        if layer_idx not in self.waiting_layers:
+            return None
+        waiting = self.frontier[rows] == layer_idx  # [rows, T]
+        counts = waiting.sum(dim=-1)
+        width = int(counts.max())
+        if width == 0:
+            if not bool((self.frontier == layer_idx).any()):  # no row at all waits here any more
+                self.waiting_layers.discard(layer_idx)
+            return None
+        has_pending = counts > 0
+        rows, waiting, counts = rows[has_pending], waiting[has_pending], counts[has_pending]
+        # Waiting slots first, each group in chronological order (a stable sort of "not waiting").
+        order = torch.sort((~waiting).to(torch.int8), dim=-1, stable=True).indices[:, :width]
+        valid = torch.arange(width, device=order.device)[None] < counts[:, None]
+        slots = torch.where(valid, order, -1)
+        return rows, self.pending[rows[:, None], order], slots
+
+    def advance(self, layer_idx: int, rows: torch.Tensor, slots: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        """recompute: layer `layer_idx` ran on the waiting tokens; they now wait for the next layer."""
+        valid = slots >= 0
+        row_index = rows[:, None].expand_as(slots)[valid]
+        slot_index = slots[valid]
+        self.pending[row_index, slot_index] = hidden_states[valid].to(self.pending.dtype)
+        self.frontier[row_index, slot_index] = layer_idx + 1
+        if layer_idx + 1 < self.num_layers:
+            self.waiting_layers.add(layer_idx + 1)
+
+    # The side buffers follow every batch and length operation of the K/V.
+
+    def _map_side_buffers(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.frontier is not None:
+            self.frontier, self.pending = function(self.frontier), function(self.pending)
+
+    def reset(self) -> None:
+        super().reset()
+        self.frontier = self.pending = None
+        self.waiting_layers = set()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_side_buffers(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0:
+            self._map_side_buffers(lambda t: t[:, :tokens_to_remove])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_side_buffers(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_side_buffers(lambda t: t[indices])
+
+
+__all__ = ["EarlyExitCache", "KV_STRATEGIES"]

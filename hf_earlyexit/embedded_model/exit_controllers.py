@@ -1,0 +1,343 @@
+"""Exit controllers: after each layer, which rows may stop here?
+
+A controller is any callable `ExitController.__call__(state: ExitState) -> BoolTensor[rows]` (True = stop after
+this layer), in the spirit of `transformers.StoppingCriteria` but asked per layer instead of per token. The model
+builds the `ExitState`; controllers never import the model.
+
+Policies:
+- `SimilarityExit` (MuE): cosine similarity of a layer's output and input; per row, or over the whole batch as the
+  official MuE code does;
+- `ConfidenceExit` (DEED, BLIPEE, CALM): confidence of the exit head's distribution (max probability, top-2 margin,
+  or 1 - normalised entropy);
+- `PatienceExit` (PABEE): the exit head's argmax has not changed for `patience` layers;
+- `ExitControllerList`: stop when any of its controllers says stop.
+
+Every measure is "higher = more ready to stop" and a row stops when it is strictly above the threshold, so a
+threshold of 1.0 (similarity, confidence) never stops anything.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class ExitState:
+    """What a controller sees after one layer ran.
+
+    part: "decoder" | "encoder_image" | "encoder_text" | "encoder".
+    layer: 1-based count of layers of that part run so far.
+    step: decoding step, 0-based (0 in the encoder).
+    hidden_states: this layer's output for the active rows, [rows, length, d_model].
+    previous_hidden_states: its input, same shape.
+    rows: indices of the active rows in the batch, [rows].
+    num_layers: layers of this part in the full model.
+    max_steps: new tokens the generation may produce (threshold schedules decay over it).
+    attention_mask: [rows, length], 1 for real tokens (None: all real); the similarity ignores pads with it.
+    logits_fn: computes the exit head's logits for the newest position, [rows, vocab]; called at most once.
+    """
+
+    part: str
+    layer: int
+    step: int
+    hidden_states: torch.Tensor
+    previous_hidden_states: torch.Tensor
+    rows: torch.Tensor
+    num_layers: int
+    max_steps: int = 1
+    attention_mask: torch.Tensor | None = None
+    logits_fn: Callable[[], torch.Tensor] | None = None
+    _logits: torch.Tensor | None = field(default=None, repr=False)
+
+    def logits(self) -> torch.Tensor:
+        """The exit head's logits for the newest position, computed only if a controller asks."""
+        if self._logits is None:
+            if self.logits_fn is None:
+                raise ValueError(f"No exit head is available for part {self.part!r}: use a similarity controller.")
+            self._logits = self.logits_fn()
+        return self._logits
+
+
+class ThresholdSchedule:
+    """A threshold as a function of the decoding step: `schedule(step, max_steps) -> float`."""
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def __call__(self, step: int, max_steps: int) -> float:
+        return self.threshold
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.threshold})"
+
+
+class ConstantSchedule(ThresholdSchedule):
+    """The same threshold at every step."""
+
+
+class MuEPaperSchedule(ThresholdSchedule):
+    """MuE's decay as the paper writes it: θ(t) = βθ + (1 − β)·exp(−t / (τN))."""
+
+    def __init__(self, threshold: float, beta: float = 0.9, tau: float = 1.0):
+        super().__init__(threshold)
+        self.beta, self.tau = beta, tau
+
+    def __call__(self, step: int, max_steps: int) -> float:
+        return self.beta * self.threshold + (1 - self.beta) * math.exp(-step / (self.tau * max_steps))
+
+
+class MuEOfficialSchedule(ThresholdSchedule):
+    """MuE's decay as the official code does it: no exit (1.0) in the first third of the steps, then
+    0.9θ + 0.1·exp(−(t + 1) / (N + 1)), N = max_steps (models/sequence_generator.py of `feature/MuE`)."""
+
+    def __call__(self, step: int, max_steps: int) -> float:
+        if step < (max_steps + 1) / 3:
+            return 1.0
+        return 0.9 * self.threshold + 0.1 * math.exp(-(step + 1) / (max_steps + 1))
+
+
+class CALMSchedule(ThresholdSchedule):
+    """CALM's decay: clip(0.9λ + 0.1·exp(−τ·t / N), 0, 1)."""
+
+    def __init__(self, threshold: float, tau: float = 4.0):
+        super().__init__(threshold)
+        self.tau = tau
+
+    def __call__(self, step: int, max_steps: int) -> float:
+        return min(max(0.9 * self.threshold + 0.1 * math.exp(-self.tau * step / max_steps), 0.0), 1.0)
+
+
+SCHEDULES = {
+    "constant": ConstantSchedule,
+    "mue_decay": MuEPaperSchedule,
+    "mue_official": MuEOfficialSchedule,
+    "calm_decay": CALMSchedule,
+}
+
+
+def make_schedule(threshold: float | ThresholdSchedule, schedule: str = "constant") -> ThresholdSchedule:
+    if isinstance(threshold, ThresholdSchedule):
+        return threshold
+    if schedule not in SCHEDULES:
+        raise ValueError(f"Unknown `exit_threshold_schedule` {schedule!r}; choose one of {list(SCHEDULES)}.")
+    return SCHEDULES[schedule](threshold)
+
+
+class ExitController:
+    """Base class: after a layer, return a BoolTensor[rows] that is True for the rows that stop here.
+
+    Subclass it and implement `__call__`; pass an instance to `generate(exit_controller=...)`. `reset()` is called
+    before each generation, for controllers that keep state across layers.
+    """
+
+    def __call__(self, state: ExitState) -> torch.BoolTensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement __call__(state) -> BoolTensor[rows].")
+
+    def reset(self) -> None:
+        """Forget any state kept from an earlier generation."""
+
+
+class ThresholdExit(ExitController):
+    """A controller that compares a per-row score with a (possibly scheduled) threshold in [low, high]."""
+
+    score_range: tuple[float, float] = (0.0, 1.0)
+
+    def __init__(self, threshold: float | ThresholdSchedule, schedule: str = "constant"):
+        self.schedule = make_schedule(threshold, schedule)
+        low, high = self.score_range
+        if not low <= self.schedule.threshold <= high:
+            raise ValueError(
+                f"`exit_threshold` for {type(self).__name__} must lie in [{low}, {high}], "
+                f"got {self.schedule.threshold}."
+            )
+
+    def score(self, state: ExitState) -> torch.Tensor:
+        """Per-row readiness to stop, [rows] (higher = readier)."""
+        raise NotImplementedError
+
+    def __call__(self, state: ExitState) -> torch.BoolTensor:
+        return self.score(state) > self.schedule(state.step, state.max_steps)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.schedule!r})"
+
+
+class SimilarityExit(ThresholdExit):
+    """MuE: stop when a layer barely changes its input, cos(h_l, h_{l-1}) > threshold.
+
+    reduction="row" compares each row's real tokens (flattened over tokens and channels); reduction="batch"
+    flattens the whole batch into one vector, padding included, and gives every row the same decision, as the
+    official MuE code does. Computed in float32 (float16 makes thresholds near 0.99 noisy).
+    """
+
+    score_range = (-1.0, 1.0)
+
+    def __init__(self, threshold: float | ThresholdSchedule, schedule: str = "constant", reduction: str = "row"):
+        super().__init__(threshold, schedule)
+        if reduction not in ("row", "batch"):
+            raise ValueError(f"Unknown similarity `reduction` {reduction!r}; choose 'row' or 'batch'.")
+        self.reduction = reduction
+
+    def score(self, state: ExitState) -> torch.Tensor:
+        current, previous = state.hidden_states.float(), state.previous_hidden_states.float()
+        rows = current.shape[0]
+        if self.reduction == "batch":
+            similarity = F.cosine_similarity(current.reshape(1, -1), previous.reshape(1, -1), dim=-1)
+            return similarity.expand(rows)
+        if state.attention_mask is not None:
+            real = state.attention_mask[..., None].to(current.dtype)
+            current, previous = current * real, previous * real
+        return F.cosine_similarity(current.reshape(rows, -1), previous.reshape(rows, -1), dim=-1)
+
+
+class ConfidenceExit(ThresholdExit):
+    """DEED / BLIPEE / CALM: stop when the exit head is confident about the newest token.
+
+    measure="max_probability": the top softmax probability; "margin": top-1 minus top-2 probability;
+    "entropy": 1 - H(p) / log(vocab), so that a one-hot distribution scores 1 and a uniform one 0.
+    """
+
+    MEASURES = ("max_probability", "margin", "entropy")
+
+    def __init__(
+        self, threshold: float | ThresholdSchedule, schedule: str = "constant", measure: str = "max_probability"
+    ):
+        super().__init__(threshold, schedule)
+        if measure not in self.MEASURES:
+            raise ValueError(f"Unknown confidence `measure` {measure!r}; choose one of {list(self.MEASURES)}.")
+        self.measure = measure
+
+    def score(self, state: ExitState) -> torch.Tensor:
+        probabilities = state.logits().float().softmax(dim=-1)
+        if self.measure == "max_probability":
+            return probabilities.max(dim=-1).values
+        if self.measure == "margin":
+            top = probabilities.topk(2, dim=-1).values
+            return top[:, 0] - top[:, 1]
+        entropy = -(probabilities * probabilities.clamp_min(1e-12).log()).sum(dim=-1)
+        return 1.0 - entropy / math.log(probabilities.shape[-1])
+
+
+class PatienceExit(ExitController):
+    """PABEE: stop when the exit head's argmax for the newest token has been the same for `patience` layers.
+
+    The count restarts at each token (layer 1 of each step), per row.
+    """
+
+    def __init__(self, patience: int = 2):
+        if patience < 1:
+            raise ValueError(f"`patience` must be at least 1, got {patience}.")
+        self.patience = patience
+        self.reset()
+
+    def reset(self) -> None:
+        self._predictions = torch.empty(0, dtype=torch.long)
+        self._streaks = torch.empty(0, dtype=torch.long)
+
+    def __call__(self, state: ExitState) -> torch.BoolTensor:
+        predictions = state.logits().argmax(dim=-1)
+        rows = state.rows.to(predictions.device)
+        size = int(rows.max()) + 1 if rows.numel() else 0
+        if self._predictions.numel() < size or self._predictions.device != predictions.device:
+            grown = torch.full((size,), -1, dtype=torch.long, device=predictions.device)
+            grown[: self._predictions.numel()] = self._predictions.to(predictions.device)
+            self._predictions = grown
+            self._streaks = torch.zeros(size, dtype=torch.long, device=predictions.device)
+        if state.layer == 1:
+            self._predictions[rows] = -1
+        same = self._predictions[rows] == predictions
+        self._streaks[rows] = torch.where(same, self._streaks[rows] + 1, torch.ones_like(predictions))
+        self._predictions[rows] = predictions
+        return self._streaks[rows] >= self.patience
+
+    def __repr__(self) -> str:
+        return f"PatienceExit(patience={self.patience})"
+
+
+class ExitControllerList(ExitController, list):
+    """Stop a row when any controller in the list says stop (like `StoppingCriteriaList`)."""
+
+    def __call__(self, state: ExitState) -> torch.BoolTensor:
+        decision = torch.zeros(state.rows.shape[0], dtype=torch.bool, device=state.hidden_states.device)
+        for controller in self:
+            decision |= checked_decision(controller(state), state, controller)
+        return decision
+
+    def reset(self) -> None:
+        for controller in self:
+            controller.reset()
+
+
+def checked_decision(decision: torch.Tensor, state: ExitState, controller: ExitController) -> torch.BoolTensor:
+    """A controller's answer as a BoolTensor[rows], or a ValueError that names the controller."""
+    if not isinstance(decision, torch.Tensor) or decision.shape != (state.rows.shape[0],):
+        shape = tuple(decision.shape) if isinstance(decision, torch.Tensor) else type(decision).__name__
+        raise ValueError(
+            f"`exit_controller` {controller!r} must return a BoolTensor of shape ({state.rows.shape[0]},) "
+            f"(one decision per active row), got {shape}."
+        )
+    return decision.to(torch.bool)
+
+
+POLICIES = {"similarity": SimilarityExit, "confidence": ConfidenceExit}
+POLICY_NAMES = [*POLICIES, "patience"]
+
+
+def make_controller(
+    policy: str = "similarity", threshold: float | ThresholdSchedule = 1.0, schedule: str = "constant", **options
+) -> ExitController:
+    """The controller `generate` builds from its knobs: `exit_policy`, `exit_threshold`, `exit_threshold_schedule`.
+
+    For the patience policy, `exit_threshold` is the patience: how many layers in a row must agree.
+    """
+    if policy not in POLICY_NAMES:
+        raise ValueError(f"Unknown `exit_policy` {policy!r}; choose one of {POLICY_NAMES}.")
+    if policy == "patience":
+        if isinstance(threshold, bool) or not float(threshold).is_integer():
+            raise ValueError(f"`exit_threshold` of the patience policy is a layer count, got {threshold!r}.")
+        return PatienceExit(int(threshold), **options)
+    return POLICIES[policy](threshold, schedule, **options)
+
+
+class FixedLayerExit(ExitController):
+    """Stop every row after a fixed number of layers: an exit budget, and the forced exit of benchmarks and tests.
+
+    `layer` is an int, or a callable `(state) -> LongTensor[rows]` giving each active row its exit layer (e.g. by
+    step and row, for mixed exit patterns).
+    """
+
+    def __init__(self, layer: int | Callable[[ExitState], torch.Tensor]):
+        if not callable(layer) and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 1):
+            raise ValueError(f"`layer` must be a positive int or a callable, got {layer!r}.")
+        self.layer = layer
+
+    def __call__(self, state: ExitState) -> torch.BoolTensor:
+        rows, device = state.rows.shape[0], state.hidden_states.device
+        if not callable(self.layer):
+            return torch.full((rows,), state.layer >= self.layer, dtype=torch.bool, device=device)
+        return torch.as_tensor(self.layer(state), device=device).expand(rows) <= state.layer
+
+    def __repr__(self) -> str:
+        return f"FixedLayerExit({self.layer!r})"
+
+
+__all__ = [
+    "ExitState",
+    "ExitController",
+    "SimilarityExit",
+    "ConfidenceExit",
+    "PatienceExit",
+    "ExitControllerList",
+    "FixedLayerExit",
+    "ThresholdSchedule",
+    "ConstantSchedule",
+    "MuEPaperSchedule",
+    "MuEOfficialSchedule",
+    "CALMSchedule",
+    "make_controller",
+    "make_schedule",
+    "POLICY_NAMES",
+]

@@ -1,0 +1,1329 @@
+"""PyTorch OFA (One For All) for Transformers 5, the backbone of hf-earlyexit.
+
+A faithful re-implementation of the official OFA: a ResNet image stem, an encoder over
+`[image patches ; text tokens]` and a text decoder, both built from NormFormer pre-LN layers. Positions never
+enter the token embeddings; every attention logit instead gets an absolute bias (separate q/k projections of
+LayerNorm'd position embeddings, shared by all layers) plus a per-layer, per-head relative bias (1D log buckets
+for text, 2D offsets for image patches). Parameter names follow the official checkpoints, so converted weights
+load strictly.
+
+Two deliberate differences from the official port, both invisible on its inputs:
+- text positions are counted from the first attended token, so left-padded rows equal unpadded ones
+  (right-padded inputs, the official convention, get exactly the official positions);
+- relative-position buckets are computed from position ids instead of stored as 1024x1024 / 1765x1765 buffers.
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, ModelOutput, Seq2SeqLMOutput
+
+from .configuration_ofa import PATCH_STEM, RESNET_LAYERS, OFAEarlyExitConfig
+from .early_exit_cache import EarlyExitCache
+from .exit_controllers import ExitController, ExitState, checked_decision
+from .generation_early_exit import EXIT_KNOBS, EarlyExitGenerationMixin, EarlyExitSettings, new_cache
+
+# ---------------------------------------------------------------------------------------------------------------
+# Positions
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
+    """Positions 0, 1, ... counted from each row's first attended token: [batch or 1, length].
+
+    Later pads (right or mid-sequence) keep counting, exactly as OFA's `0..L-1`; leading pads are clamped to 0.
+    """
+    positions = torch.arange(length, device=device)[None]
+    if attention_mask is None:
+        return positions
+    leading_pads = attention_mask.long().argmax(dim=-1, keepdim=True)
+    return (positions - leading_pads).clamp(min=0)
+
+
+def token_relative_buckets(relative: torch.Tensor, bucket_size: int, max_position: int) -> torch.Tensor:
+    """OFA's 1D relative-position bucket index in [0, 2 * bucket_size - 2] for signed distances `query - key`.
+
+    Exact up to |distance| = bucket_size // 2, log-spaced beyond (the formula of `make_token_bucket_position`).
+    """
+    mid = bucket_size // 2
+    sign = torch.sign(relative)
+    abs_pos = torch.where((relative < mid) & (relative > -mid), mid - 1, relative.abs())
+    log_pos = torch.ceil(torch.log(abs_pos / mid) / math.log((max_position - 1) / mid) * (mid - 1)) + mid
+    bucket = torch.where(abs_pos.le(mid), relative, log_pos.int() * sign)
+    return bucket.long() + bucket_size - 1
+
+
+def image_relative_buckets(height: int, width: int, bucket_size: int, device: torch.device) -> torch.Tensor:
+    """OFA's 2D relative-position bucket index between the patches of a height x width grid: [N, N], N = h * w."""
+    rows = torch.arange(height, device=device).repeat_interleave(width)
+    cols = torch.arange(width, device=device).repeat(height)
+    row_delta = rows[:, None] - rows[None, :] + bucket_size - 1
+    col_delta = cols[:, None] - cols[None, :] + bucket_size - 1
+    return row_delta * (2 * bucket_size - 1) + col_delta
+
+
+def image_position_ids(height: int, width: int, bucket_size: int, device: torch.device) -> torch.Tensor:
+    """Row-major patch ids `r * bucket_size + c + 1` into the image position table (id 0 is reserved): [N]."""
+    rows = torch.arange(height, device=device).repeat_interleave(width)
+    cols = torch.arange(width, device=device).repeat(height)
+    return rows * bucket_size + cols + 1
+
+
+def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
+    """Stochastic depth per sample (the official HF port drops per token, a bug fairseq does not have)."""
+    if rate == 0.0 or not training:
+        return x
+    keep = 1.0 - rate
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+    return x * mask / keep
+
+
+def drop_path_rates(rate: float, count: int) -> list[float]:
+    """Stochastic-depth rates rising linearly from 0 to `rate` over `count` layers (torch.linspace, in Python so
+    the model can be built on the meta device)."""
+    return [rate * i / (count - 1) if count > 1 else 0.0 for i in range(count)]
+
+
+def layers_to_run(count: int, layerdrop: float, training: bool) -> list[int]:
+    """Indices of the layers one forward runs: all, minus LayerDrop's random picks in training."""
+    if not training or layerdrop == 0.0:
+        return list(range(count))
+    return [i for i in range(count) if torch.rand(()).item() >= layerdrop]
+
+
+def select_rows(tensor: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor | None:
+    """The kept rows of a per-row tensor; tensors with a broadcast batch of 1 (or None) pass through."""
+    if tensor is None or tensor.shape[0] == 1:
+        return tensor
+    return tensor[keep]
+
+
+class DropPath(nn.Module):
+    def __init__(self, rate: float = 0.0):
+        super().__init__()
+        self.rate = rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return drop_path(x, self.rate, self.training)
+
+
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[batch, length, d_model] -> [batch, heads, length, head_dim]."""
+    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)
+
+
+def optional_layer_norm(enabled: bool, width: int) -> nn.Module:
+    return nn.LayerNorm(width) if enabled else nn.Identity()
+
+
+class OFARelativePositionTable(nn.Embedding):
+    """A per-layer table of relative-position biases, one value per head (zero-initialised, as in fairseq)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Image stems
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class OFABottleneck(nn.Module):
+    """torchvision v1.5 Bottleneck (stride on the 3x3 conv), with per-sample drop path on the residual branch."""
+
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: bool = False, drop_rate: float = 0.0):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * self.expansion, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = (
+            nn.Sequential(
+                nn.Conv2d(inplanes, planes * self.expansion, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(planes * self.expansion),
+            )
+            if downsample
+            else None
+        )
+        self.drop_path = DropPath(drop_rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(identity + self.drop_path(out))
+
+
+class OFAResNet(nn.Module):
+    """ResNet stages 1-3 (no stage 4): [batch, 3, H, W] -> [batch, 1024, H/16, W/16]."""
+
+    def __init__(self, blocks: tuple[int, int, int], drop_path_rate: float = 0.0):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        rates = drop_path_rates(drop_path_rate, sum(blocks))
+        inplanes = 64
+        for stage, (planes, count, stride) in enumerate(zip((64, 128, 256), blocks, (1, 2, 2), strict=True), start=1):
+            stage_rates, rates = rates[:count], rates[count:]
+            layers = []
+            for i in range(count):
+                layers.append(OFABottleneck(inplanes, planes, stride if i == 0 else 1, i == 0, stage_rates[i]))
+                inplanes = planes * OFABottleneck.expansion
+            setattr(self, f"layer{stage}", nn.Sequential(*layers))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(pixel_values))))
+        return self.layer3(self.layer2(self.layer1(x)))
+
+
+class OFAPatchStem(nn.Module):
+    """A light stem for small models: [batch, 3, H, W] -> [batch, 256, H/16, W/16] with two strided convs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=4, stride=4)
+        self.act = nn.GELU()
+        self.conv2 = nn.Conv2d(64, 256, kernel_size=4, stride=4)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.conv2(self.act(self.conv1(pixel_values)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention and layers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ActiveRows:
+    """The rows of the batch a layer runs on: their indices, and the contiguous runs they form so that attention
+    reads each run's cached K/V as a view instead of gathering them (at batch > 1 the cross-attention K/V are as
+    large as a layer's weights; copying them would eat the time the exit saves)."""
+
+    index: torch.Tensor  # [rows], ascending
+    runs: list[tuple[int, int]]  # [start, end) in the batch
+
+    @classmethod
+    def of(cls, index: torch.Tensor) -> "ActiveRows":
+        runs: list[list[int]] = []
+        for row in index.tolist():
+            if runs and runs[-1][1] == row:
+                runs[-1][1] += 1
+            else:
+                runs.append([row, row + 1])
+        return cls(index, [(start, end) for start, end in runs])
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor,
+    scaling: float,
+    dropout: float,
+    implementation: str,
+    output_attentions: bool,
+    rows: ActiveRows | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """softmax(q k^T * scaling + bias) v on [batch, heads, length, head_dim]; `bias` already holds the masks.
+
+    The bias is a float tensor (positions plus masks), so SDPA gets it as `attn_mask` with the OFA scale; the
+    default SDPA scale would be wrong. With `rows`, the query covers only those rows of the batch of `key`/`value`.
+    """
+    if rows is not None:
+        outputs, offset = [], 0
+        for start, end in rows.runs:
+            size = end - start
+            run_bias = bias if bias.shape[0] == 1 else bias[offset : offset + size]
+            out, _ = attention(
+                query[offset : offset + size],
+                key[start:end],
+                value[start:end],
+                run_bias,
+                scaling,
+                dropout,
+                implementation,
+                False,
+            )
+            outputs.append(out)
+            offset += size
+        return torch.cat(outputs), None
+    if implementation == "sdpa" and not output_attentions:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
+        return out, None
+    weights = torch.matmul(query * scaling, key.transpose(-1, -2)) + bias
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(weights, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, value), (weights if output_attentions else None)
+
+
+class OFAAttention(nn.Module):
+    """Multi-head attention with an additive bias and NormFormer's per-head output scale `c_attn`.
+
+    The caller projects (`project_kv`) and caches the keys and values; `forward` attends with them. Without
+    `key_value_projections` the module only queries keys and values made elsewhere (an exit layer's attention).
+    """
+
+    def __init__(self, config: OFAEarlyExitConfig, num_heads: int, key_value_projections: bool = True):
+        super().__init__()
+        self.config = config
+        self.num_heads = num_heads
+        self.head_dim = config.d_model // num_heads
+        self.scaling = (self.head_dim * config.attn_scale_factor) ** -0.5
+        self.dropout = config.attention_dropout
+        if key_value_projections:
+            self.k_proj = nn.Linear(config.d_model, config.d_model)
+            self.v_proj = nn.Linear(config.d_model, config.d_model)
+        self.q_proj = nn.Linear(config.d_model, config.d_model)
+        self.out_proj = nn.Linear(config.d_model, config.d_model)
+        self.c_attn = nn.Parameter(torch.ones(num_heads)) if config.normformer else None
+
+    def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[batch, length, d_model] -> keys, values [batch, heads, length, head_dim]."""
+        return split_heads(self.k_proj(source), self.num_heads), split_heads(self.v_proj(source), self.num_heads)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        bias: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rows: ActiveRows | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        query = split_heads(self.q_proj(hidden_states), self.num_heads)
+        out, weights = attention(
+            query,
+            key,
+            value,
+            bias,
+            self.scaling,
+            self.dropout if self.training else 0.0,
+            self.config._attn_implementation,
+            output_attentions,
+            rows,
+        )
+        if self.c_attn is not None:
+            out = out * self.c_attn[None, :, None, None]
+        out = out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)
+        return self.out_proj(out), weights
+
+
+class OFAEncoderLayer(GradientCheckpointingLayer):
+    """Pre-LN NormFormer layer: x + drop_path(dropout(mid_LN(attn(LN(x))))), then the FFN block the same way.
+
+    The decoder layer extends it with a cross-attention block; parameter names match the official checkpoints.
+    """
+
+    def __init__(
+        self,
+        config: OFAEarlyExitConfig,
+        layer_idx: int,
+        drop_path_rate: float,
+        num_heads: int,
+        ffn_dim: int,
+        key_value_projections: bool = True,
+    ):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = OFAAttention(config, num_heads, key_value_projections)
+        self.self_attn_layer_norm = nn.LayerNorm(config.d_model)
+        self.self_attn_mid_layer_norm = optional_layer_norm(config.normformer, config.d_model)
+        self.final_layer_norm = nn.LayerNorm(config.d_model)
+        self.fc1 = nn.Linear(config.d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, config.d_model)
+        self.ffn_layer_norm = optional_layer_norm(config.normformer, ffn_dim)
+        self.activation = ACT2FN[config.activation_function]
+        self.activation_dropout = nn.Dropout(config.activation_dropout)
+        self.dropout = nn.Dropout(config.dropout)
+        self.drop_path = DropPath(drop_path_rate)
+
+    def residual(self, hidden_states: torch.Tensor, block_output: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.drop_path(self.dropout(block_output))
+
+    def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = self.activation_dropout(self.activation(self.fc1(self.final_layer_norm(hidden_states))))
+        return self.residual(hidden_states, self.fc2(self.ffn_layer_norm(x)))
+
+    def forward(
+        self, hidden_states: torch.Tensor, bias: torch.Tensor, output_attentions: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = self.self_attn_layer_norm(hidden_states)
+        attn, weights = self.self_attn(x, bias, *self.self_attn.project_kv(x), output_attentions=output_attentions)
+        hidden_states = self.residual(hidden_states, self.self_attn_mid_layer_norm(attn))
+        return self.feed_forward(hidden_states), weights
+
+
+class OFADecoderLayer(OFAEncoderLayer):
+    """Causal self-attention, cross-attention over the encoder output, FFN; each as a pre-LN NormFormer block."""
+
+    def __init__(
+        self, config: OFAEarlyExitConfig, layer_idx: int, drop_path_rate: float, key_value_projections: bool = True
+    ):
+        heads = config.decoder_attention_heads
+        super().__init__(config, layer_idx, drop_path_rate, heads, config.decoder_ffn_dim, key_value_projections)
+        self.cross_attn = OFAAttention(config, heads, key_value_projections)
+        self.cross_attn_layer_norm = nn.LayerNorm(config.d_model)
+        self.cross_attn_mid_layer_norm = optional_layer_norm(config.normformer, config.d_model)
+
+    def self_key_values(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's self-attention K/V of a hidden state (what `propagate` writes for skipped layers)."""
+        return self.self_attn.project_kv(self.self_attn_layer_norm(hidden_states))
+
+    def cross_key_values(
+        self, encoder_hidden_states: torch.Tensor, past_key_values: EncoderDecoderCache | None, rows: ActiveRows | None
+    ) -> tuple[torch.Tensor, torch.Tensor, ActiveRows | None]:
+        """Cross-attention K/V and the rows of them to attend with. Cached for the whole batch on first use (a
+        layer first reached at a later step fills its entry then); uncached, computed for the active rows only."""
+        if past_key_values is None:
+            source = encoder_hidden_states if rows is None else encoder_hidden_states[rows.index]
+            return *self.cross_attn.project_kv(source), None
+        if not past_key_values.is_updated.get(self.layer_idx):
+            key, value = self.cross_attn.project_kv(encoder_hidden_states)
+            past_key_values.cross_attention_cache.update(key, value, self.layer_idx)
+            past_key_values.is_updated[self.layer_idx] = True
+        layer_cache = past_key_values.cross_attention_cache.layers[self.layer_idx]
+        return layer_cache.keys, layer_cache.values, rows
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        self_bias: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        cross_bias: torch.Tensor,
+        past_key_values: EncoderDecoderCache | None = None,
+        rows: ActiveRows | None = None,
+        slots: slice | torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """hidden_states [rows, q, d] of the batch `rows` (None: every row); with a cache, their K/V go to `slots`."""
+        x = self.self_attn_layer_norm(hidden_states)
+        key, value = self.self_attn.project_kv(x)
+        key_rows = None
+        if past_key_values is not None:
+            index = None if rows is None else rows.index
+            key, value = past_key_values.self_attention_cache.write(self.layer_idx, key, value, index, slots)
+            key_rows = rows
+        attn, self_weights = self.self_attn(x, self_bias, key, value, key_rows, output_attentions)
+        hidden_states = self.residual(hidden_states, self.self_attn_mid_layer_norm(attn))
+
+        x = self.cross_attn_layer_norm(hidden_states)
+        key, value, key_rows = self.cross_key_values(encoder_hidden_states, past_key_values, rows)
+        attn, cross_weights = self.cross_attn(x, cross_bias, key, value, key_rows, output_attentions)
+        hidden_states = self.residual(hidden_states, self.cross_attn_mid_layer_norm(attn))
+        return self.feed_forward(hidden_states), self_weights, cross_weights
+
+
+class ZeroInitLinear(nn.Linear):
+    """A Linear initialised to zero: the last projection of an exit head's residual branch, so that an untrained
+    exit head is the identity (the shared head alone) and training learns a correction."""
+
+
+class OFAExitAdapter(nn.Module):
+    """DEED's adaptation module: h + up(gelu(down(LN(h)))), mapping a decoder layer's output towards what the
+    shared final head expects. `up` starts at zero, so an untrained adapter is the identity."""
+
+    def __init__(self, config: OFAEarlyExitConfig):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(config.d_model)
+        self.down = nn.Linear(config.d_model, config.exit_adapter_dim)
+        self.up = ZeroInitLinear(config.exit_adapter_dim, config.d_model)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.up(F.gelu(self.down(self.layer_norm(hidden_states))))
+
+
+class OFAExitLayer(OFADecoderLayer):
+    """BLIPEE's exit transformer layer on decoder layer `layer_idx` (0-based host): self-attention, cross-attention
+    and FFN blocks like a decoder layer, whose attention queries the keys and values the host layer computed (its
+    cache entries), so it keeps no cache of its own and works with every `kv_strategy`. The blocks' output
+    projections start at zero, so an untrained exit layer is the identity."""
+
+    def __init__(self, config: OFAEarlyExitConfig, layer_idx: int):
+        super().__init__(config, layer_idx, drop_path_rate=0.0, key_value_projections=False)
+        d_model = config.d_model
+        self.self_attn.out_proj = ZeroInitLinear(d_model, d_model)
+        self.cross_attn.out_proj = ZeroInitLinear(d_model, d_model)
+        self.fc2 = ZeroInitLinear(config.decoder_ffn_dim, d_model)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        self_bias: torch.Tensor,
+        host_key_values: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        cross_bias: torch.Tensor,
+        rows: ActiveRows | None = None,
+    ) -> torch.Tensor:
+        """hidden_states [rows, q, d]: the host layer's output; `host_key_values` its self- and cross-attention
+        keys and values, for the whole batch when `rows` is given, else for these rows."""
+        self_key, self_value, cross_key, cross_value = host_key_values
+        attn, _ = self.self_attn(self.self_attn_layer_norm(hidden_states), self_bias, self_key, self_value, rows)
+        hidden_states = self.residual(hidden_states, self.self_attn_mid_layer_norm(attn))
+        attn, _ = self.cross_attn(self.cross_attn_layer_norm(hidden_states), cross_bias, cross_key, cross_value, rows)
+        hidden_states = self.residual(hidden_states, self.cross_attn_mid_layer_norm(attn))
+        return self.feed_forward(hidden_states)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Encoder and decoder
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OFAEncoderOutput(ModelOutput):
+    """Encoder output plus what the decoder's cross-attention needs besides the states.
+
+    last_hidden_state: [batch, N_image + T, d_model] after the final LayerNorm (pad rows are not zero).
+    padding_mask: [batch, N_image + T], True at text pads (image patches are never padded).
+    position_embedding: [batch, N_image + T, d_model] LayerNorm'd absolute positions, the keys of the decoder's
+        cross-attention position bias.
+    hidden_states: embedding output and each layer's output (before the final LayerNorm), if asked.
+    attentions: each layer's attention probabilities, if asked (joint encoder only).
+    cross_position_keys: [batch, heads, S, head_dim], the decoder's `cross_pos_k_linear(position_embedding)`,
+        filled by the decoder on its first no-grad call and reused at every later decoding step.
+    exit_layers: [batch, 2], encoder layers each row ran for (image, text); full depth without exits.
+    """
+
+    last_hidden_state: torch.FloatTensor | None = None
+    padding_mask: torch.BoolTensor | None = None
+    position_embedding: torch.FloatTensor | None = None
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
+    cross_position_keys: torch.FloatTensor | None = None
+    exit_layers: torch.LongTensor | None = None
+
+
+def relative_tables(config: OFAEarlyExitConfig, num_layers: int, num_heads: int) -> tuple[nn.ModuleList, ...]:
+    """Per-layer text (2 * token_bucket_size - 1 buckets) and image ((2 * image_bucket_size - 1)^2 + 3) tables."""
+    text = nn.ModuleList(
+        OFARelativePositionTable(2 * config.token_bucket_size - 1, num_heads) for _ in range(num_layers)
+    )
+    image_buckets = (2 * config.image_bucket_size - 1) ** 2 + 3
+    image = nn.ModuleList(OFARelativePositionTable(image_buckets, num_heads) for _ in range(num_layers))
+    return text, image
+
+
+def position_bias(
+    q_linear: nn.Linear, k_linear: nn.Linear, queries: torch.Tensor, keys: torch.Tensor, num_heads: int, scaling: float
+) -> torch.Tensor:
+    """Absolute position bias (q_linear(queries) * scaling) @ k_linear(keys)^T per head: [batch, heads, Lq, Lk]."""
+    q = split_heads(q_linear(queries), num_heads) * scaling
+    return torch.matmul(q, split_heads(k_linear(keys), num_heads).transpose(-1, -2))
+
+
+class OFAEncoder(nn.Module):
+    """Image stem + text embeddings -> Transformer layers over `[image patches ; text tokens]` -> LayerNorm."""
+
+    main_input_name = "input_ids"
+
+    def __init__(self, config: OFAEarlyExitConfig):
+        super().__init__()
+        self.config = config
+        d_model, heads = config.d_model, config.encoder_attention_heads
+        self.num_heads = heads
+        self.embed_scale = math.sqrt(d_model) if config.scale_embedding else 1.0
+        self.pos_scaling = (d_model / heads * config.attn_scale_factor) ** -0.5
+        self.dropout = nn.Dropout(config.dropout)
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, d_model, config.pad_token_id)
+        if config.resnet_type == PATCH_STEM:
+            self.embed_images = OFAPatchStem()
+        else:
+            self.embed_images = OFAResNet(RESNET_LAYERS[config.resnet_type], config.resnet_drop_path_rate)
+        self.image_proj = nn.Linear(config.image_feature_dim, d_model)
+        self.type_embedding = nn.Embedding(2, d_model) if config.add_type_embedding else None
+        self.layernorm_embedding = optional_layer_norm(config.layernorm_embedding, d_model)
+        self.patch_layernorm_embedding = optional_layer_norm(config.patch_layernorm_embedding, d_model)
+
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + 2, d_model)
+        self.embed_image_positions = nn.Embedding(config.image_bucket_size**2 + 1, d_model)
+        self.pos_ln = nn.LayerNorm(d_model)
+        self.image_pos_ln = nn.LayerNorm(d_model)
+        self.pos_q_linear = nn.Linear(d_model, d_model)
+        self.pos_k_linear = nn.Linear(d_model, d_model)
+
+        rates = drop_path_rates(config.encoder_drop_path_rate, config.encoder_layers)
+        self.layers = nn.ModuleList(
+            OFAEncoderLayer(config, i, rates[i], heads, config.encoder_ffn_dim) for i in range(config.encoder_layers)
+        )
+        self.token_rel_pos_table_list, self.image_rel_pos_table_list = relative_tables(
+            config, config.encoder_layers, heads
+        )
+        self.layer_norm = nn.LayerNorm(d_model)
+
+    def embed_image(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """[batch, 3, H, W] -> patch states [batch, N, d], LN'd positions [batch, N, d], grid (h, w)."""
+        if pixel_values.ndim != 4 or pixel_values.shape[1] != 3:
+            raise ValueError(f"`pixel_values` must be [batch, 3, height, width], got {list(pixel_values.shape)}.")
+        features = self.embed_images(pixel_values.to(self.image_proj.weight.dtype))  # [batch, C, h, w]
+        height, width = features.shape[-2:]
+        if max(height, width) > self.config.image_bucket_size:
+            raise ValueError(
+                f"An image of {pixel_values.shape[-2]}x{pixel_values.shape[-1]} px gives a {height}x{width} patch "
+                f"grid; the model takes at most {self.config.image_bucket_size} patches per side (`image_bucket_size`)."
+            )
+        x = self.image_proj(features.flatten(2).transpose(1, 2)) * self.embed_scale
+        if self.type_embedding is not None:
+            x = x + self.type_embedding.weight[1]
+        x = self.dropout(self.patch_layernorm_embedding(x))
+        ids = image_position_ids(height, width, self.config.image_bucket_size, x.device)
+        positions = self.image_pos_ln(self.embed_image_positions(ids)).expand(x.shape[0], -1, -1)
+        return x, positions, (height, width)
+
+    def embed_text(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[batch, T] -> token states [batch, T, d], LN'd positions [batch, T, d], position ids, pad mask [batch, T]."""
+        padding = input_ids.eq(self.config.pad_token_id) if attention_mask is None else attention_mask.eq(0)
+        x = self.embed_tokens(input_ids) * self.embed_scale
+        if self.type_embedding is not None:
+            x = x + self.type_embedding.weight[0]
+        x = self.dropout(self.layernorm_embedding(x))
+        position_ids = position_ids_from_mask(~padding, input_ids.shape[1], x.device)
+        positions = self.pos_ln(self.embed_positions(position_ids)).expand(x.shape[0], -1, -1)
+        return x, positions, position_ids, padding
+
+    def layer_bias(
+        self,
+        layer_idx: int,
+        absolute: torch.Tensor,
+        num_image: int,
+        text_buckets: torch.Tensor | None,
+        image_buckets: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Absolute bias (pads already masked) + this layer's relative biases on the text and image blocks."""
+        bias = absolute.clone()
+        if text_buckets is not None:
+            bias[:, :, num_image:, num_image:] += self.token_rel_pos_table_list[layer_idx](text_buckets).permute(
+                0, 3, 1, 2
+            )
+        if image_buckets is not None:
+            bias[:, :, :num_image, :num_image] += self.image_rel_pos_table_list[layer_idx](image_buckets).permute(
+                2, 0, 1
+            )
+        return bias
+
+    def run_layers(
+        self,
+        hidden_states: torch.Tensor,
+        absolute: torch.Tensor,
+        num_image: int,
+        text_buckets: torch.Tensor | None,
+        image_buckets: torch.Tensor | None,
+        layers: list[int],
+        output_attentions: bool,
+        controller: ExitController | None = None,
+        part: str = "encoder",
+        real_tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """The given layers over one sequence (joint, or one modality stream).
+
+        Returns the output per row [batch, S, d], each layer's states and attentions (meaningful without exits),
+        and the layers each row ran [batch]. With a `controller`, a row that stops leaves the batch and the layers
+        after run on the remaining rows only. `real_tokens` [batch, S] (True = not padding) is what the
+        controller compares.
+        """
+        batch = hidden_states.shape[0]
+        states, attentions = [hidden_states], []
+        exit_layers = torch.full((batch,), len(layers), dtype=torch.long, device=hidden_states.device)
+        final, rows = None, torch.arange(batch, device=hidden_states.device)
+        for count, idx in enumerate(layers, start=1):
+            previous = hidden_states
+            bias = self.layer_bias(idx, absolute, num_image, text_buckets, image_buckets)
+            hidden_states, weights = self.layers[idx](hidden_states, bias, output_attentions)
+            states.append(hidden_states)
+            attentions.append(weights)
+            if controller is None or count == len(layers):
+                continue
+            state = ExitState(part, count, 0, hidden_states, previous, rows, len(layers), attention_mask=real_tokens)
+            stop = checked_decision(controller(state), state, controller)
+            stopping = int(stop.sum())
+            if stopping == 0:
+                continue
+            exit_layers[rows[stop]] = count
+            if stopping == len(rows):  # every running row stops here; the states after the loop are theirs
+                break
+            if final is None:
+                final = torch.empty_like(states[0])
+            final[rows[stop]] = hidden_states[stop]
+            keep = ~stop
+            rows, hidden_states, absolute = rows[keep], hidden_states[keep], select_rows(absolute, keep)
+            text_buckets, real_tokens = select_rows(text_buckets, keep), select_rows(real_tokens, keep)
+        if final is None:
+            return hidden_states, states, attentions, exit_layers
+        final[rows] = hidden_states
+        return final, states, attentions, exit_layers
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.FloatTensor | None = None,
+        exit_settings: EarlyExitSettings | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+    ) -> OFAEncoderOutput:
+        """`exit_settings` (optional) carries the exit controllers: `encoder` for the joint encoder, or
+        `encoder_image` / `encoder_text` for the streams of a decomposed one."""
+        if input_ids is None and pixel_values is None:
+            raise ValueError("The encoder needs `input_ids`, `pixel_values` or both.")
+        decomposed = self.config.decompose_encoder_modalities
+        if output_attentions and decomposed:
+            raise ValueError("`output_attentions` is not available with `decompose_encoder_modalities=True`.")
+        controllers = {
+            part: getattr(exit_settings, part, None) for part in ("encoder", "encoder_image", "encoder_text")
+        }
+        if any(controllers.values()) and (output_attentions or output_hidden_states):
+            raise ValueError("`output_attentions` / `output_hidden_states` are not available with encoder exits.")
+        parts, positions, paddings = [], [], []
+        num_image = text_length = 0
+        image_buckets = text_buckets = None
+        if pixel_values is not None:
+            image_x, image_pos, (height, width) = self.embed_image(pixel_values)
+            num_image = image_x.shape[1]
+            image_buckets = image_relative_buckets(height, width, self.config.image_bucket_size, image_x.device)
+            parts.append(image_x)
+            positions.append(image_pos)
+            paddings.append(torch.zeros(image_x.shape[:2], dtype=torch.bool, device=image_x.device))
+        if input_ids is not None:
+            text_x, text_pos, text_position_ids, text_padding = self.embed_text(input_ids, attention_mask)
+            text_length = text_x.shape[1]
+            relative = text_position_ids[:, :, None] - text_position_ids[:, None, :]
+            text_buckets = token_relative_buckets(
+                relative, self.config.token_bucket_size, self.config.max_position_embeddings
+            )
+            parts.append(text_x)
+            positions.append(text_pos)
+            paddings.append(text_padding)
+
+        hidden_states = torch.cat(parts, dim=1)
+        position_embedding = torch.cat(positions, dim=1)
+        padding = torch.cat(paddings, dim=1)
+        hidden_states = hidden_states * (~padding).unsqueeze(-1).to(hidden_states.dtype)
+        absolute = position_bias(
+            self.pos_q_linear,
+            self.pos_k_linear,
+            position_embedding,
+            position_embedding,
+            self.num_heads,
+            self.pos_scaling,
+        )  # [batch, heads, S, S]
+        # Pads are masked as keys once here; the relative biases added per layer keep them at ~finfo.min.
+        absolute = absolute.masked_fill(padding[:, None, None, :], torch.finfo(absolute.dtype).min)
+
+        # One LayerDrop draw per forward, so both streams of a decomposed encoder skip the same layers.
+        layers = layers_to_run(len(self.layers), self.config.encoder_layerdrop, self.training)
+        if not decomposed:
+            final, states, attentions, exit_layers = self.run_layers(
+                hidden_states,
+                absolute,
+                num_image,
+                text_buckets,
+                image_buckets,
+                layers,
+                output_attentions,
+                controllers["encoder"],
+                "encoder",
+                ~padding,
+            )
+            # Both columns (image, text) hold the joint encoder's layers; a missing modality ran none.
+            exit_layers = exit_layers[:, None] * torch.tensor(
+                [bool(num_image), bool(text_length)], device=padding.device
+            )
+        else:
+            # MuE: each modality attends only to itself; the streams meet in the decoder's cross-attention.
+            image_rel = image_buckets if self.config.decomposed_image_relative_bias else None
+            streams = [
+                self.run_layers(
+                    hidden_states[:, :num_image],
+                    absolute[:, :, :num_image, :num_image],
+                    num_image,
+                    None,
+                    image_rel,
+                    layers,
+                    False,
+                    controllers["encoder_image"],
+                    "encoder_image",
+                )
+                if num_image
+                else None,
+                self.run_layers(
+                    hidden_states[:, num_image:],
+                    absolute[:, :, num_image:, num_image:],
+                    0,
+                    text_buckets,
+                    None,
+                    layers,
+                    False,
+                    controllers["encoder_text"],
+                    "encoder_text",
+                    ~padding[:, num_image:],
+                )
+                if text_length
+                else None,
+            ]
+            ran = [stream for stream in streams if stream is not None]
+            final = torch.cat([stream[0] for stream in ran], dim=1)
+            states = (
+                [torch.cat(per_layer, dim=1) for per_layer in zip(*(stream[1] for stream in ran), strict=True)]
+                if output_hidden_states
+                else []
+            )
+            attentions = []
+            no_layers = torch.zeros(padding.shape[0], dtype=torch.long, device=padding.device)
+            exit_layers = torch.stack([no_layers if stream is None else stream[3] for stream in streams], dim=1)
+        if exit_settings is not None:
+            exit_settings.record.encoder = exit_layers
+
+        return OFAEncoderOutput(
+            last_hidden_state=self.layer_norm(final),
+            padding_mask=padding,
+            position_embedding=position_embedding,
+            hidden_states=tuple(states) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
+            exit_layers=exit_layers,
+        )
+
+
+@dataclass
+class OFADecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
+    r"""
+    exit_hidden_states (`tuple(torch.FloatTensor)`, with `output_exit_hidden_states=True`):
+        The input of the output projection at each exit point of `config.exit_points`, then at the last layer
+        (`last_hidden_state`): [batch, q, d_model] each, after the shared final LayerNorm.
+    """
+
+    exit_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+
+
+class OFADecoder(nn.Module):
+    """Token embeddings -> causal layers with cross-attention -> LayerNorm; `output_projection` is the LM head."""
+
+    def __init__(self, config: OFAEarlyExitConfig):
+        super().__init__()
+        self.config = config
+        d_model, heads = config.d_model, config.decoder_attention_heads
+        self.num_heads = heads
+        self.embed_scale = math.sqrt(d_model) if config.scale_embedding else 1.0
+        self.pos_scaling = (d_model / heads * config.attn_scale_factor) ** -0.5
+        self.dropout = nn.Dropout(config.dropout)
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, d_model, config.pad_token_id)
+        self.layernorm_embedding = optional_layer_norm(config.layernorm_embedding, d_model)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings + 2, d_model)
+        self.pos_ln = nn.LayerNorm(d_model)
+        self.self_pos_q_linear = nn.Linear(d_model, d_model)
+        self.self_pos_k_linear = nn.Linear(d_model, d_model)
+        self.cross_pos_q_linear = nn.Linear(d_model, d_model)
+        self.cross_pos_k_linear = nn.Linear(d_model, d_model)
+        # Image-code generation parts of OFA: unused for text, kept so official checkpoints load strictly.
+        self.code_layernorm_embedding = optional_layer_norm(config.code_layernorm_embedding, d_model)
+        self.embed_image_positions = nn.Embedding(config.image_bucket_size**2 + 1, d_model)
+        self.image_pos_ln = nn.LayerNorm(d_model)
+
+        rates = drop_path_rates(config.decoder_drop_path_rate, config.decoder_layers)
+        self.layers = nn.ModuleList(OFADecoderLayer(config, i, rates[i]) for i in range(config.decoder_layers))
+        self.token_rel_pos_table_list, self.image_rel_pos_table_list = relative_tables(
+            config, config.decoder_layers, heads
+        )
+        self.layer_norm = nn.LayerNorm(d_model)
+        self.output_projection = nn.Linear(d_model, config.vocab_size, bias=False)
+        # Exit heads: modules between a layer's output and the shared final LayerNorm + output projection.
+        self.exit_points = {layer: i for i, layer in enumerate(config.exit_points)}  # 1-based layer -> index
+        self.exit_adapters = self.exit_transformer_layers = None
+        if config.exit_adapter_dim is not None:
+            self.exit_adapters = nn.ModuleList(OFAExitAdapter(config) for _ in config.exit_points)
+        elif config.exit_transformer_layers is not None:
+            self.exit_transformer_layers = nn.ModuleList(
+                OFAExitLayer(config, layer - 1) for layer in config.exit_transformer_layers
+            )
+
+    def cross_position_keys(self, encoder_outputs: OFAEncoderOutput) -> torch.Tensor:
+        """Keys of the cross-attention position bias, [batch, heads, S, head_dim].
+
+        They depend only on the encoder output, so during generation (no grad) they are computed once and kept on
+        the encoder output; with grad they are always recomputed, so training never reads stale weights.
+        """
+        if encoder_outputs.cross_position_keys is not None and not torch.is_grad_enabled():
+            return encoder_outputs.cross_position_keys
+        keys = split_heads(self.cross_pos_k_linear(encoder_outputs.position_embedding), self.num_heads)
+        if not torch.is_grad_enabled():
+            encoder_outputs.cross_position_keys = keys
+        return keys
+
+    def attention_biases(
+        self,
+        positions: torch.Tensor,
+        position_ids: torch.Tensor,
+        query_slots: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        encoder_outputs: OFAEncoderOutput,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Biases of queries at `query_slots` [R or 1, Q] (cache slots, i.e. indices into the T tokens so far).
+
+        positions [R or 1, T, d] (LayerNorm'd position embeddings), position_ids [R or 1, T], attention_mask
+        [R, T] or None, and `rows` the R batch rows of the encoder output (None: all). Returns the self-attention
+        absolute bias with the causal and padding masks [R or 1, heads, Q, T], the relative buckets [R or 1, Q, T]
+        and the cross-attention bias with the encoder padding mask [R, heads, Q, S].
+        """
+        count = max(positions.shape[0], query_slots.shape[0])
+        query_slots = query_slots.expand(count, -1)
+        query_positions = positions.expand(count, -1, -1).gather(
+            1, query_slots[..., None].expand(-1, -1, positions.shape[-1])
+        )  # [R or 1, Q, d]
+        query_ids = position_ids.expand(count, -1).gather(1, query_slots)
+        self_absolute = position_bias(
+            self.self_pos_q_linear, self.self_pos_k_linear, query_positions, positions, self.num_heads, self.pos_scaling
+        )
+        keys = torch.arange(positions.shape[1], device=positions.device)
+        masked = (keys[None, None, :] > query_slots[:, :, None])[:, None]  # causal: [R or 1, 1, Q, T]
+        if attention_mask is not None:
+            masked = masked | attention_mask.eq(0)[:, None, None, :]
+        # Masked once here; the relative biases added per layer keep them at ~finfo.min.
+        self_absolute = self_absolute.masked_fill(masked, torch.finfo(self_absolute.dtype).min)
+        buckets = token_relative_buckets(
+            query_ids[:, :, None] - position_ids[:, None, :],
+            self.config.token_bucket_size,
+            self.config.max_position_embeddings,
+        )
+
+        cross_keys, padding = self.cross_position_keys(encoder_outputs), encoder_outputs.padding_mask
+        if rows is not None:
+            cross_keys, padding = cross_keys[rows], padding[rows]
+        cross_bias = torch.matmul(
+            split_heads(self.cross_pos_q_linear(query_positions), self.num_heads) * self.pos_scaling,
+            cross_keys.transpose(-1, -2),
+        )
+        cross_bias = cross_bias.masked_fill(padding[:, None, None, :], torch.finfo(cross_bias.dtype).min)
+        return self_absolute, buckets, cross_bias
+
+    def layer_self_bias(self, layer_idx: int, self_absolute: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
+        """A layer's self-attention bias: the masked absolute bias plus its relative bias, [R or 1, heads, Q, T]."""
+        return self_absolute + self.token_rel_pos_table_list[layer_idx](buckets).permute(0, 3, 1, 2)
+
+    def exit_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits of exit-head inputs [..., d]: the shared final LayerNorm and output projection."""
+        return self.output_projection(self.layer_norm(hidden_states))
+
+    def exit_hidden_states(
+        self,
+        layer: int,
+        hidden_states: torch.Tensor,
+        layer_input: torch.Tensor,
+        self_bias: torch.Tensor,
+        cross_bias: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        past_key_values: EncoderDecoderCache | None,
+        rows: ActiveRows | None,
+    ) -> torch.Tensor:
+        """The exit head's input after 1-based decoder `layer`, whose output for the running rows is
+        `hidden_states` [rows, q, d]: the output itself (shared head, MuE), its adapter's (DEED) or its exit
+        transformer layer's (BLIPEE). `layer_input`, the biases and the cache are the host layer's."""
+        index = self.exit_points[layer]
+        if self.exit_adapters is not None:
+            return self.exit_adapters[index](hidden_states)
+        if self.exit_transformer_layers is None:
+            return hidden_states
+        host = layer - 1
+        if past_key_values is not None:  # the host just wrote this step's K/V into its entries
+            self_keys = past_key_values.self_attention_cache.layers[host]
+            cross_keys = past_key_values.cross_attention_cache.layers[host]
+            host_key_values = (self_keys.keys, self_keys.values, cross_keys.keys, cross_keys.values)
+        else:
+            rows_source = encoder_hidden_states if rows is None else encoder_hidden_states[rows.index]
+            host_layer = self.layers[host]
+            host_key_values = (
+                *host_layer.self_key_values(layer_input),
+                *host_layer.cross_attn.project_kv(rows_source),
+            )
+            rows = None
+        return self.exit_transformer_layers[index](hidden_states, self_bias, host_key_values, cross_bias, rows)
+
+    def skipped_key_values(self, layer_idx: int, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s self-attention K/V of an exited hidden state (`kv_strategy="propagate"`)."""
+        return self.layers[layer_idx].self_key_values(hidden_states)
+
+    def catch_up(
+        self,
+        layer_idx: int,
+        rows: torch.Tensor,
+        past_key_values: EncoderDecoderCache,
+        positions: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        encoder_outputs: OFAEncoderOutput,
+    ) -> None:
+        """`kv_strategy="recompute"`: before this step's tokens of `rows` run layer `layer_idx`, run it on their
+        earlier tokens that exited below it, so that its keys and values are complete (DEED)."""
+        waiting = past_key_values.self_attention_cache.pending_inputs(layer_idx, rows)
+        if waiting is None:
+            return
+        rows, hidden_states, slots = waiting  # [R], [R, P, d], [R, P] (-1 = padding)
+        self_absolute, buckets, cross_bias = self.attention_biases(
+            select_rows(positions, rows),
+            select_rows(position_ids, rows),
+            slots.clamp(min=0),
+            select_rows(attention_mask, rows),
+            encoder_outputs,
+            rows,
+        )
+        hidden_states, _, _ = self.layers[layer_idx](
+            hidden_states,
+            self.layer_self_bias(layer_idx, self_absolute, buckets),
+            encoder_outputs.last_hidden_state,
+            cross_bias,
+            past_key_values,
+            ActiveRows.of(rows),
+            slots,
+        )
+        past_key_values.self_attention_cache.advance(layer_idx, rows, slots, hidden_states)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        encoder_outputs: OFAEncoderOutput,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: EncoderDecoderCache | None = None,
+        exit_settings: EarlyExitSettings | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        output_exit_hidden_states: bool = False,
+    ) -> "OFADecoderOutput":
+        """Decode `input_ids` [batch, q], the newest q tokens after the `past_key_values` prefix.
+
+        `attention_mask` (optional, [batch, past + q]) marks decoder pads; without it every token is attended.
+        With `exit_settings.decoder`, each row stops after the layer its controller picks (all q tokens of a row
+        together): it leaves the batch, the layers after run on the remaining rows only, and its output is its
+        exit layer's state. The cache then fills the skipped layers by `exit_settings.kv_strategy`.
+        `output_exit_hidden_states` (training the exits) returns every exit head's input after the final LayerNorm.
+        """
+        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+        if self_cache is not None and not isinstance(self_cache, EarlyExitCache):
+            raise ValueError(
+                "The decoder's self-attention cache must be an EarlyExitCache (`EncoderDecoderCache(EarlyExitCache("
+                f"config), DynamicCache(config=config))`), got {type(self_cache).__name__}."
+            )
+        past = self_cache.get_seq_length() if self_cache is not None else 0
+        batch, length = input_ids.shape[0], past + input_ids.shape[1]
+        if attention_mask is not None and attention_mask.shape[-1] != length:
+            raise ValueError(
+                f"`decoder_attention_mask` must cover the cached and new tokens ({length}), "
+                f"got {attention_mask.shape[-1]}."
+            )
+        controller = exit_settings.decoder if exit_settings is not None else None
+        if controller is not None and self_cache is not None and self_cache.kv_strategy != exit_settings.kv_strategy:
+            raise ValueError(
+                f"`kv_strategy={exit_settings.kv_strategy!r}` but the cache passed in was built for "
+                f"{self_cache.kv_strategy!r}."
+            )
+        if controller is not None and (output_attentions or output_hidden_states or output_exit_hidden_states):
+            raise ValueError(
+                "`output_attentions` / `output_hidden_states` / `output_exit_hidden_states` are not available with "
+                "decoder exits."
+            )
+        if output_exit_hidden_states and self.training and self.config.decoder_layerdrop > 0:
+            raise ValueError("`output_exit_hidden_states` needs every exit layer to run: set `decoder_layerdrop=0`.")
+
+        hidden_states = self.embed_tokens(input_ids) * self.embed_scale
+        hidden_states = self.dropout(self.layernorm_embedding(hidden_states))  # [batch, q, d]
+        position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, past + q]
+        positions = self.pos_ln(self.embed_positions(position_ids))
+        query_slots = torch.arange(past, length, device=input_ids.device)[None]
+        self_absolute, buckets, cross_bias = self.attention_biases(
+            positions, position_ids, query_slots, attention_mask, encoder_outputs
+        )  # [batch or 1, heads, q, past + q], [batch or 1, q, past + q], [batch, heads, q, S]
+        slots = self_cache.open_slots(hidden_states, self.num_heads) if self_cache is not None else None
+
+        layers = layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training)
+        exit_layers = torch.full((batch,), len(layers), dtype=torch.long, device=input_ids.device)
+        all_rows = torch.arange(batch, device=input_ids.device)
+        final, active = None, None  # active: the rows still running (None: all of them)
+        query_mask = attention_mask[:, past:] if attention_mask is not None else None
+        states, self_attentions, cross_attentions, exit_states = [hidden_states], [], [], []
+        for count, idx in enumerate(layers, start=1):
+            rows = all_rows if active is None else active.index
+            if self_cache is not None and self_cache.frontier is not None:
+                self.catch_up(idx, rows, past_key_values, positions, position_ids, attention_mask, encoder_outputs)
+            previous = hidden_states
+            self_bias = self.layer_self_bias(idx, self_absolute, buckets)
+            hidden_states, self_weights, cross_weights = self.layers[idx](
+                hidden_states,
+                self_bias,
+                encoder_outputs.last_hidden_state,
+                cross_bias,
+                past_key_values,
+                active,
+                slots,
+                output_attentions,
+            )
+            states.append(hidden_states)
+            self_attentions.append(self_weights)
+            cross_attentions.append(cross_weights)
+            collect = output_exit_hidden_states and idx + 1 in self.exit_points  # never with a controller
+            ask = controller is not None and count >= exit_settings.min_exit_layer and count in self.exit_points
+            if not (collect or ask):
+                continue
+            exit_state = functools.cache(  # the exit head's input, computed once, and only if needed
+                functools.partial(
+                    self.exit_hidden_states,
+                    idx + 1,
+                    hidden_states,
+                    previous,
+                    self_bias,
+                    cross_bias,
+                    encoder_outputs.last_hidden_state,
+                    past_key_values,
+                    active,
+                )
+            )
+            if collect:
+                exit_states.append(self.layer_norm(exit_state()))
+                continue
+
+            state = ExitState(
+                "decoder",
+                count,
+                len(exit_settings.record.decoder_steps),
+                hidden_states,
+                previous,
+                rows,
+                len(layers),
+                exit_settings.max_steps,
+                query_mask,
+                lambda exit_state=exit_state: self.exit_logits(exit_state()[:, -1]),
+            )
+            stop = checked_decision(controller(state), state, controller)
+            stopping = int(stop.sum())
+            if stopping == 0:
+                continue
+            if stopping == len(rows):  # every running row stops here; the states after the loop are theirs
+                exit_layers[rows] = count
+                if self_cache is not None:
+                    cache_rows = None if active is None else rows  # None: the whole batch, no gathers
+                    self_cache.fill_skipped(idx, cache_rows, slots, hidden_states, self.skipped_key_values)
+                hidden_states = exit_state()
+                break
+            exiting = rows[stop]
+            exit_layers[exiting] = count
+            if self_cache is not None:
+                self_cache.fill_skipped(idx, exiting, slots, hidden_states[stop], self.skipped_key_values)
+            if final is None:
+                final = torch.empty_like(states[0])
+            final[exiting] = exit_state()[stop]
+            keep = ~stop
+            active = ActiveRows.of(rows[keep])
+            hidden_states = hidden_states[keep]
+            self_absolute, buckets = select_rows(self_absolute, keep), select_rows(buckets, keep)
+            cross_bias, query_mask = cross_bias[keep], select_rows(query_mask, keep)
+        if final is not None:  # the rows still running at the end, or the last ones to stop
+            final[active.index] = hidden_states
+        if exit_settings is not None:
+            exit_settings.record.decoder_steps.append(exit_layers)
+
+        last_hidden_state = self.layer_norm(hidden_states if final is None else final)
+        return OFADecoderOutput(
+            last_hidden_state=last_hidden_state,
+            past_key_values=past_key_values,
+            hidden_states=tuple(states) if output_hidden_states else None,
+            attentions=tuple(self_attentions) if output_attentions else None,
+            cross_attentions=tuple(cross_attentions) if output_attentions else None,
+            exit_hidden_states=(*exit_states, last_hidden_state) if output_exit_hidden_states else None,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pre-trained model and the generation head
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class OFAPreTrainedModel(PreTrainedModel):
+    config_class = OFAEarlyExitConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["OFAEncoderLayer", "OFADecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _can_compile_fullgraph = False
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        # `attention()` reads `config._attn_implementation` on every call, so switching eager <-> sdpa is safe
+        # (the base class guesses from the source and looks for ALL_ATTENTION_FUNCTIONS, which we don't use).
+        return True
+
+    def _init_weights(self, module: nn.Module):
+        super()._init_weights(module)
+        if isinstance(module, OFARelativePositionTable):
+            init.zeros_(module.weight)
+        elif isinstance(module, OFAAttention) and module.c_attn is not None:
+            init.ones_(module.c_attn)
+        elif isinstance(module, ZeroInitLinear):
+            init.zeros_(module.weight)
+            init.zeros_(module.bias)
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """Teacher-forcing decoder inputs: `[start] + labels[:-1]`, with the -100 ignore index turned into pads."""
+    shifted = labels.new_full(labels.shape, pad_token_id)
+    shifted[:, 1:] = labels[:, :-1]
+    shifted[:, 0] = decoder_start_token_id
+    return shifted.masked_fill(shifted == -100, pad_token_id)
+
+
+@dataclass
+class EarlyExitSeq2SeqLMOutput(Seq2SeqLMOutput):
+    r"""
+    exit_hidden_states (`tuple(torch.FloatTensor)`, with `output_exit_hidden_states=True`):
+        The output projection's input at each exit point of `config.exit_points`, then at the last layer:
+        [batch, tgt_len, d_model] each, after the shared final LayerNorm.
+    """
+
+    exit_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+
+
+class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerationMixin):
+    """OFA encoder-decoder with a tied LM head and early exits; `generate` works with greedy, sampling and beam
+    search, and takes the early-exit knobs (`exit_threshold=0.9`, ...; see `generation_early_exit.EXIT_KNOBS`).
+
+    Inputs: `input_ids` / `attention_mask` [batch, T] (pad on the right, as OFA does), `pixel_values`
+    [batch, 3, H, W] normalised to [-1, 1] by `OFAProcessor`, and `decoder_input_ids` or `labels`.
+    """
+
+    _tied_weights_keys = {
+        "decoder.embed_tokens.weight": "encoder.embed_tokens.weight",
+        "decoder.output_projection.weight": "encoder.embed_tokens.weight",
+    }
+
+    def __init__(self, config: OFAEarlyExitConfig):
+        super().__init__(config)
+        self.encoder = OFAEncoder(config)
+        self.decoder = OFADecoder(config)
+        self.post_init()
+
+    def get_encoder(self) -> OFAEncoder:
+        return self.encoder
+
+    def get_decoder(self) -> OFADecoder:
+        return self.decoder
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.encoder.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding):
+        self.encoder.embed_tokens = value
+        if self.config.tie_word_embeddings:
+            self.decoder.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.decoder.output_projection
+
+    def set_output_embeddings(self, value: nn.Linear):
+        self.decoder.output_projection = value
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # An auto-created generation config is saved with `_from_model_config: true`, and its unknown keys (the
+        # exit knobs calibration writes there) would then be dropped on reload.
+        if any(hasattr(self.generation_config, name) for name in EXIT_KNOBS):
+            self.generation_config._from_model_config = False
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.FloatTensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: OFAEncoderOutput | None = None,
+        past_key_values: Cache | None = None,
+        labels: torch.LongTensor | None = None,
+        exit_settings: EarlyExitSettings | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_exit_hidden_states: bool = False,
+        return_dict: bool | None = None,
+    ) -> "EarlyExitSeq2SeqLMOutput | tuple":
+        """Teacher-forced (or cached, one step of `generate`) pass; `loss` is the final layer's cross-entropy when
+        `labels` are given. `output_exit_hidden_states=True` adds each exit head's input after the final LayerNorm
+        (`exit_hidden_states`; apply `get_output_embeddings()` for that exit's logits), what the exit losses of
+        `EarlyExitTrainer` train on."""
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        use_cache = (use_cache if use_cache is not None else self.config.use_cache) and labels is None
+
+        if labels is not None and decoder_input_ids is None:
+            decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
+        if decoder_input_ids is None:
+            raise ValueError("Pass `decoder_input_ids` or `labels` (or call `generate`).")
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids,
+                attention_mask,
+                pixel_values,
+                exit_settings,
+                output_attentions=output_attentions,
+                output_hidden_states=output_hidden_states,
+            )
+        if use_cache and past_key_values is None:
+            past_key_values = new_cache(self.config, exit_settings)
+        if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
+            raise ValueError(f"`past_key_values` must be an EncoderDecoderCache, got {type(past_key_values).__name__}.")
+
+        decoder_outputs = self.decoder(
+            decoder_input_ids,
+            encoder_outputs,
+            decoder_attention_mask,
+            past_key_values if use_cache else None,
+            exit_settings,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            output_exit_hidden_states=output_exit_hidden_states,
+        )
+        logits = self.decoder.output_projection(decoder_outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().to(logits.device), ignore_index=-100)
+
+        output = EarlyExitSeq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+            exit_hidden_states=decoder_outputs.exit_hidden_states,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+__all__ = ["EarlyExitOFAForConditionalGeneration", "EarlyExitSeq2SeqLMOutput", "OFAPreTrainedModel", "OFAEncoderOutput"]
+
+# Saving writes this file beside the weights; `auto_map` then lets AutoModel load it with trust_remote_code=True.
+EarlyExitOFAForConditionalGeneration.register_for_auto_class("AutoModel")

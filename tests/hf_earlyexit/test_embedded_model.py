@@ -1,0 +1,43 @@
+"""The model that ships inside the package: small enough, complete, calibrated, and its remote code is the
+package's own."""
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModel, AutoProcessor
+
+from hf_earlyexit.cli import EMBEDDED_MODEL_DIR
+from hf_earlyexit.tasks import get_task
+
+MODELING = Path(__file__).resolve().parents[2] / "modeling"
+
+
+def test_it_is_under_25_mb_with_tokenizer_processor_card_and_calibration():
+    files = {path.name for path in EMBEDDED_MODEL_DIR.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "processor_config.json"} <= files
+    assert {"tokenizer.json", "README.md", "calibration.json", "training_recipe.json"} <= files
+    assert sum(path.stat().st_size for path in EMBEDDED_MODEL_DIR.iterdir()) <= 25 * 2**20
+    assert "training_args.bin" not in files  # no pickles in the package
+
+
+def test_its_remote_code_is_the_packages_modeling_code():
+    shipped = sorted(path.name for path in EMBEDDED_MODEL_DIR.glob("*.py"))
+    assert "modeling_ofa.py" in shipped
+    for name in shipped:
+        assert (EMBEDDED_MODEL_DIR / name).read_text() == (MODELING / name).read_text(), name
+
+
+def test_it_loads_as_remote_code_and_exits_early_by_default():
+    model = AutoModel.from_pretrained(EMBEDDED_MODEL_DIR, trust_remote_code=True).eval()
+    processor = AutoProcessor.from_pretrained(EMBEDDED_MODEL_DIR, trust_remote_code=True)
+    knobs = ("exit_threshold", "encoder_image_exit_threshold", "encoder_text_exit_threshold")
+    assert any(getattr(model.generation_config, knob, None) is not None for knob in knobs)  # calibrated defaults
+    rows = get_task("caption").dataset("test", size=4)
+    inputs = processor(images=list(rows["image"]), text=list(rows["prompt"]), return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=24, return_dict_in_generate=True)
+    decoder_layers = out.exit_layers[out.exit_layers > 0].float().mean()
+    encoder_layers = out.encoder_exit_layers.float().mean()
+    assert decoder_layers < model.config.decoder_layers or encoder_layers < model.config.encoder_layers
+    captions = processor.batch_decode(out.sequences, skip_special_tokens=True)
+    assert all(len(caption.split()) >= 4 for caption in captions)
