@@ -29,7 +29,9 @@ def load_model_and_processor(model_dir: str, **config_fields):
     """A saved hf-earlyexit model (in eval mode) and its processor; `config_fields` override the config (e.g. to
     add exit heads)."""
     from transformers import AutoModel, AutoProcessor
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # the weight-loading bar would break the CLI's one-line errors
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise ValueError(f"{model_dir} is not a model folder (no config.json).")

@@ -28,6 +28,11 @@ def save(figure, path: str | Path) -> Path:
     return path
 
 
+def percent_of(point: OperatingPoint, full: OperatingPoint) -> float:
+    """A point's quality as a percentage of the full model's (0 when the full model scores 0)."""
+    return 100 * point.quality / full.quality if full.quality else 0.0
+
+
 def policy_of(settings: dict[str, Any]) -> str:
     """A label for a setting's family: the decoder policy, and whether the encoder exits too."""
     encoder = any(name.startswith("encoder") for name in settings)
@@ -50,12 +55,12 @@ def tradeoff_plot(
         for point in points:
             families.setdefault(policy_of(point.settings), []).append(point)
         for family, members in sorted(families.items()):
-            relative = [100 * p.quality / full.quality if full.quality else 0.0 for p in members]
+            relative = [percent_of(p, full) for p in members]
             scatter = axis.scatter([100 * p.expected_time_reduction for p in members], relative, s=12, alpha=0.35)
             frontier = pareto_frontier(members)
             axis.plot(
                 [100 * p.expected_time_reduction for p in frontier],
-                [100 * p.quality / full.quality if full.quality else 0.0 for p in frontier],
+                [percent_of(p, full) for p in frontier],
                 color=scatter.get_facecolor()[0][:3],
                 label=family,
                 marker="o",
@@ -65,7 +70,7 @@ def tradeoff_plot(
                 if chosen is not None and point.settings == chosen:
                     axis.scatter(
                         [100 * point.expected_time_reduction],
-                        [100 * point.quality / full.quality],
+                        [percent_of(point, full)],
                         s=160,
                         facecolors="none",
                         edgecolors="black",
