@@ -22,6 +22,7 @@ from hf_earlyexit import EarlyExitTrainingArguments
 from hf_earlyexit.tasks import TASKS, easy_vqa_caption_rows
 from hf_earlyexit.training import small_model_and_processor, train_exits
 
+PACKAGE_MODEL = Path(__file__).resolve().parents[1] / "hf_earlyexit" / "embedded_model"
 # Sampling weights of the training mixture (captions are longest and hardest, so they get the most steps).
 MIXTURE = {"vqa": 0.3, "entailment": 0.2, "caption": 0.4, "easy_vqa_caption": 0.1}
 
@@ -103,8 +104,15 @@ def main() -> None:
         dataloader_num_workers=1,
     )
     trainer = train_exits(model, processor, mixture, args, text_column="prompt", target_column="target")
+    output = Path(options.output_dir)
+    for link in [path for path in output.glob("*.py") if path.is_symlink()]:
+        link.unlink()  # saving copies the model code here; it must not write through a link onto itself
     trainer.save_model()
-    Path(options.output_dir, "training_args.bin").unlink(missing_ok=True)  # a pickle: not shipped in the package
+    (output / "training_args.bin").unlink(missing_ok=True)  # a pickle: not shipped in the package
+    if output.resolve() == PACKAGE_MODEL.resolve():  # git keeps one copy of the model code: link it to modeling/
+        for path in output.glob("*.py"):
+            path.unlink()
+            path.symlink_to(Path("../../modeling") / path.name)
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
     recipe = {
         "script": "examples/train_embedded_model.py",

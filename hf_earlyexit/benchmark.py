@@ -264,23 +264,27 @@ def measure_part_costs(model, inputs: TaskInputs, repeats: int = 3) -> PartCosts
     )
 
 
+def flop_costs(model, inputs: TaskInputs) -> PartCosts:
+    """`PartCosts.from_config` for the lengths of `inputs` (image tokens, the first batch's prompt, new tokens)."""
+    first = inputs.batches[0]
+    image_tokens = model.get_encoder().embed_image(first["pixel_values"][:1])[0].shape[1]
+    return PartCosts.from_config(model.config, image_tokens, first["input_ids"].shape[1], inputs.task.max_new_tokens)
+
+
 def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: int = 3, meteor: bool = False) -> dict:
     """Full model vs `knobs` on the same inputs: quality, expected time reduction, wall clock, per-part times.
     Returns the JSON object `hf-earlyexit bench --json` prints."""
-    config = model.config
-    runs = {"full": run_task(model, processor, inputs), "early_exit": run_task(model, processor, inputs, knobs)}
-    seconds = median_seconds(
-        {
-            "full": lambda: run_task(model, processor, inputs),
-            "early_exit": lambda: run_task(model, processor, inputs, knobs),
-        },
-        repeats,
-        model.device,
-    )
-    costs = measure_part_costs(model, inputs, repeats)
-    first = inputs.batches[0]
-    image_tokens = model.get_encoder().embed_image(first["pixel_values"][:1])[0].shape[1]
-    flops = PartCosts.from_config(config, image_tokens, first["input_ids"].shape[1], inputs.task.max_new_tokens)
+    config, runs = model.config, {}
+
+    def timed(name: str, settings: dict):
+        def run() -> None:  # every repeat decodes the same; the last run's outputs are scored
+            runs[name] = run_task(model, processor, inputs, settings)
+
+        return run
+
+    functions = {"full": timed("full", {}), "early_exit": timed("early_exit", knobs)}
+    seconds = median_seconds(functions, repeats, model.device)
+    costs, flops = measure_part_costs(model, inputs, repeats), flop_costs(model, inputs)
 
     def reduction(run, part_costs: PartCosts) -> float:
         return expected_time_reduction(
@@ -342,6 +346,7 @@ def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str
 
 
 __all__ = [
+    "flop_costs",
     "forced_exit_benchmark",
     "measure_part_costs",
     "task_benchmark",

@@ -97,13 +97,13 @@ def exit_knobs(args: argparse.Namespace, model) -> dict:
     return {name: value for name, value in saved.items() if value != EXIT_KNOBS[name]}
 
 
-def task_inputs(args: argparse.Namespace, processor, split: str, samples: int, batch_size: int):
+def task_inputs(name: str, processor, split: str, samples: int, batch_size: int):
     from .evaluation import TaskInputs
     from .tasks import get_task
 
     if samples < 1:
         raise ValueError(f"--samples must be positive, got {samples}.")
-    task = get_task(args.task)
+    task = get_task(name)
     return TaskInputs.build(task, processor, task.dataset(split, size=samples), batch_size)
 
 
@@ -129,8 +129,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     threads = torch.get_num_threads()
     print(f"Each task's test split through the full and the early-exit model, same inputs ({threads} CPU threads):")
     for name, samples in DEMO_SAMPLES.items():
-        args.task = name
-        inputs = task_inputs(args, processor, "test", samples, args.batch_size)
+        inputs = task_inputs(name, processor, "test", samples, args.batch_size)
         report = task_benchmark(model, processor, inputs, knobs, repeats=1)
         full, early = report["full"], report["early_exit"]
         print(
@@ -146,8 +145,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print("Examples (each token with the decoder layer it exited after):")
     pictured = []
     for name, count in (("vqa", 3), ("entailment", 2), ("caption", 4)):
-        args.task = name
-        inputs = task_inputs(args, processor, "test", count, count)
+        inputs = task_inputs(name, processor, "test", count, count)
         batch = inputs.batches[0]
         with torch.no_grad():
             out = model.generate(
@@ -171,16 +169,15 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    from .benchmark import flop_costs
     from .evaluation import run_task, score
-    from .measures import PartCosts, expected_time_reduction
+    from .measures import expected_time_reduction
 
     model, processor = load_model_and_processor(args.model_dir)
     knobs = exit_knobs(args, model)
-    inputs = task_inputs(args, processor, args.split, args.samples, args.batch_size)
+    inputs = task_inputs(args.task, processor, args.split, args.samples, args.batch_size)
     run = run_task(model, processor, inputs, knobs)
-    config, first = model.config, inputs.batches[0]
-    image_tokens = model.get_encoder().embed_image(first["pixel_values"][:1])[0].shape[1]
-    costs = PartCosts.from_config(config, image_tokens, first["input_ids"].shape[1], inputs.task.max_new_tokens)
+    config, costs = model.config, flop_costs(model, inputs)
     report = {
         "task": inputs.task.name,
         "split": args.split,
@@ -215,8 +212,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     grid = calibration_grid(model.config, decoder_thresholds, encoder_thresholds)
     sweeps, report = {}, {"split": args.split, "tolerance": args.tolerance, "points": len(grid), "tasks": {}}
     for name in args.tasks.split(","):
-        args.task = name
-        inputs = task_inputs(args, processor, args.split, args.samples, args.batch_size)
+        inputs = task_inputs(name, processor, args.split, args.samples, args.batch_size)
         costs = measure_part_costs(model, inputs)
         full, points = sweeps[name] = sweep(model, processor, inputs, grid, costs, progress=not args.quiet)
         guaranteed = learn_then_test(points, risk_level=args.tolerance, delta=args.delta)
@@ -270,7 +266,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError(
                 "No exit setting: give exit knobs, or calibrate the model (`hf-earlyexit calibrate --write`)."
             )
-        inputs = task_inputs(args, processor, "test", args.samples, args.batch_size)
+        inputs = task_inputs(args.task, processor, "test", args.samples, args.batch_size)
         report = task_benchmark(model, processor, inputs, knobs, args.repeats, meteor=args.meteor)
         print(json.dumps(report, indent=None if args.json else 2))
         return
