@@ -1,4 +1,4 @@
-"""`hf-earlyexit` command line: convert, caption, train, demo, bench.
+"""`hf-earlyexit` command line: convert, caption, train, eval, calibrate, bench, demo, publish.
 
 Every user error (bad path, unreadable image, wrong model folder, bad option) ends in one line on stderr and
 exit status 2, never a traceback.
@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from .data import CAPTION_PROMPT
+from .publishing import PublishError
 
 
 def load_image(path: str):
@@ -462,14 +463,57 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-dir", default="out/demo", help="where the exit picture goes")
     demo.add_argument("--batch-size", type=int, default=16)
     demo.set_defaults(run=cmd_demo)
+
+    publish = commands.add_parser(
+        "publish", help="assemble a Hub-ready folder (remote code, card with measured numbers), validate, upload"
+    )
+    publish.add_argument("model_dir")
+    publish.add_argument("--repo-id", required=True, help="user/name on the Hub")
+    publish.add_argument("--private", action="store_true")
+    publish.add_argument("--dry-run", action="store_true", help="assemble and validate only; print the folder")
+    publish.add_argument("--output-dir", help="where the folder is assembled (default: the repo's name)")
+    publish.add_argument("--token", help="Hub token (default: HF_TOKEN or `hf auth login`)")
+    publish.add_argument(
+        "--benchmark", nargs="+", help="files of `bench --json` lines (default MODEL_DIR/benchmark.jsonl)"
+    )
+    publish.add_argument("--plot", help="trade-off PNG for the card (default MODEL_DIR/tradeoff.png if present)")
+    publish.add_argument("--datasets", help="card metadata: data set ids, comma-separated")
+    publish.add_argument("--base-model", help="card metadata: the model this one was fine-tuned from")
+    publish.add_argument("--license", help="card metadata: licence id (e.g. mit, apache-2.0)")
+    publish.add_argument("--pipeline-tag", default="image-to-text")
+    publish.set_defaults(run=cmd_publish)
     return parser
+
+
+def cmd_publish(args: argparse.Namespace) -> None:
+    from transformers.utils import logging
+
+    from .publishing import publish
+
+    logging.disable_progress_bar()
+    published = publish(
+        args.model_dir,
+        args.repo_id,
+        private=args.private,
+        dry_run=args.dry_run,
+        output_dir=args.output_dir,
+        token=args.token,
+        benchmark=args.benchmark,
+        plot=args.plot,
+        datasets=[name.strip() for name in args.datasets.split(",")] if args.datasets else None,
+        base_model=args.base_model,
+        license=args.license,
+        pipeline_tag=args.pipeline_tag,
+    )
+    print(f"Assembled and validated {published.folder} (loads and generates without hf_earlyexit).")
+    print(published.folder if args.dry_run else f"Published {published.url}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, PublishError) as error:
         print(f"hf-earlyexit: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -23,6 +23,7 @@ detached wherever they serve as the target.
 import contextlib
 import os
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -286,6 +287,46 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         state = torch.load(path, map_location=self.args.device, weights_only=True)
         self.accelerator.unwrap_model(self.discriminators).load_state_dict(state["discriminators"])
         self.discriminator_optimizer.load_state_dict(state["optimizer"])
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        license: str | None = None,
+        finetuned_from: str | None = None,
+        dataset: str | list[str] | None = None,
+        **unused,
+    ) -> None:
+        """The card `hf-earlyexit publish` writes (`model_cards/`), with this run's arguments as the recipe, instead
+        of the stock training summary; `push_to_hub` calls it on the main process only. Its table holds measured
+        numbers once the output folder has a `benchmark.jsonl` (`hf-earlyexit bench --json`)."""
+        if not self.is_world_process_zero():
+            return
+        from ..publishing import NOT_MEASURED, read_benchmark, render_model_card  # hf_earlyexit imports trainers
+
+        output = Path(self.args.output_dir)
+        benchmark = output / "benchmark.jsonl"
+        records = read_benchmark(benchmark) if benchmark.is_file() else []
+        args = self.args
+        names = ("exit_loss", "exit_loss_weights", "encoder_exit_sampling", "freeze_backbone", "learning_rate")
+        options = {name: getattr(args, name) for name in names}
+        options |= {
+            "steps": self.state.global_step,
+            "batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+            "seed": args.seed,
+        }
+        model = self.accelerator.unwrap_model(self.model)
+        card = render_model_card(
+            self.hub_model_id or model_name or output.name,
+            model.config.to_dict(),
+            model.generation_config.to_dict(),
+            records,
+            recipe={"script": "EarlyExitTrainer", "options": options, "parameters": model.num_parameters()},
+            datasets=[dataset] if isinstance(dataset, str) else dataset,
+            base_model=finetuned_from,
+            license=license,
+            table=None if records else NOT_MEASURED,
+        )
+        (output / "README.md").write_text(card)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Adds each loss term's mean since the last log (averaged over processes) to the training logs."""

@@ -2,6 +2,7 @@
 LoRA, encoder exit sampling and bad arguments. (The two-process Accelerate run is in test_distributed.py.)"""
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -342,3 +343,32 @@ def test_encoder_exit_sampling_trains_on_shallower_encoder_states(tmp_path, deco
 
     trainer.args.encoder_exit_sampling = 0.0
     assert sampled_loss() == pytest.approx(full, rel=1e-5)
+
+
+def test_push_to_hub_uploads_remote_code_and_the_early_exit_card_from_the_main_process(tmp_path):
+    from unittest import mock
+
+    from huggingface_hub import ModelCard
+
+    api = mock.MagicMock()
+    api.create_repo.return_value.repo_id = "someone/tiny-ee"
+    with mock.patch("transformers.trainer.hf_api", return_value=api):
+        trainer = trainer_for(tmp_path, push_to_hub=True, hub_model_id="someone/tiny-ee", hub_token="hf_test")
+        trainer.train()
+        trainer.push_to_hub(license="mit", finetuned_from="someone/ofa-base")
+    api.create_repo.assert_called_once_with("someone/tiny-ee", token="hf_test", private=None, exist_ok=True)
+    upload = api.upload_folder.call_args.kwargs
+    assert (upload["repo_id"], upload["folder_path"]) == ("someone/tiny-ee", str(tmp_path / "out"))
+    output = tmp_path / "out"
+    assert {"modeling_ofa.py", "configuration_ofa.py", "exit_controllers.py"} <= {p.name for p in output.iterdir()}
+    assert "AutoModel" in json.loads((output / "config.json").read_text())["auto_map"]
+    card = ModelCard.load(output / "README.md")
+    metadata = (card.data.library_name, card.data.base_model, card.data.license)
+    assert metadata == ("transformers", "someone/ofa-base", "mit")
+    assert "`exit_loss`: layerwise" in card.text and "`steps`: 2" in card.text
+    assert "Not measured yet" in card.text  # no benchmark.jsonl in the output folder yet
+
+    (output / "README.md").unlink()
+    with mock.patch.object(trainer, "is_world_process_zero", return_value=False):
+        trainer.create_model_card()
+    assert not (output / "README.md").exists()

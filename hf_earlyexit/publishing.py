@@ -1,0 +1,382 @@
+"""Publishing a trained model to the Hugging Face Hub as a repository that loads anywhere.
+
+`publish` assembles a Hub-ready folder (weights, config with `auto_map`, the remote-code files, tokenizer and
+processor files, the generation config with the calibrated exit defaults, a model card with the measured
+trade-off), checks it in a separate Python process where `hf_earlyexit` cannot be imported, and only then creates
+the repository and uploads the folder. `EarlyExitTrainer(push_to_hub=True)` writes the same card through
+`render_model_card`.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from string import Template
+from typing import Any
+
+from .modeling.generation_early_exit import EXIT_KNOBS
+
+MODEL_TYPE = "ofa_early_exit"
+CARD_TEMPLATE = "ofa_early_exit.md"
+TAGS = ["early-exit", "ofa", "vision-language", "hf-earlyexit", "custom_code"]
+# Copied from the model folder when present: the calibration sweep and how the model was trained.
+RECORDS = ("calibration.json", "training_recipe.json")
+BENCHMARK_KEYS = {"task", "metric", "full", "early_exit", "wall_clock_time_reduction"}
+VALIDATION_IMAGE = "validation_image.png"
+NOT_MEASURED = (
+    "Not measured yet. Run `hf-earlyexit bench MODEL_DIR --task TASK --json >> MODEL_DIR/benchmark.jsonl` for each "
+    "task, then `hf-earlyexit publish MODEL_DIR --repo-id ...`, which puts the numbers here (and refuses a card "
+    "without them)."
+)
+
+
+class PublishError(RuntimeError):
+    """Creating the repository or uploading failed; the assembled folder is kept at `folder`."""
+
+    def __init__(self, message: str, folder: Path):
+        super().__init__(message)
+        self.folder = folder
+
+
+@dataclass
+class Published:
+    folder: Path  # the assembled, validated folder
+    url: str | None  # the repository's URL; None for a dry run
+    validation: dict[str, Any]  # what the isolated load and generation reported
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model card
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def read_benchmark(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a file of `hf-earlyexit bench MODEL_DIR --json` output (one JSON object per line)."""
+    records = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}, line {number}: not JSON ({error.msg}).") from None
+        missing = BENCHMARK_KEYS - set(record) if isinstance(record, dict) else BENCHMARK_KEYS
+        if missing:
+            raise ValueError(f"{path}, line {number}: not a `hf-earlyexit bench --json` record (no {sorted(missing)}).")
+        records.append(record)
+    return records
+
+
+def measured_table(records: list[dict[str, Any]]) -> str:
+    """A Markdown table of benchmark records: quality of both models, expected and wall-clock time reduction."""
+    if not records:
+        raise ValueError("No benchmark records: the card needs measured numbers (`hf-earlyexit bench --json`).")
+    rows = [
+        "| task | metric | full | early exit | % of full | expected time reduction (measured / FLOPs) "
+        "| wall-clock reduction | samples x batch | device |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for record in records:
+        full, early = record["full"], record["early_exit"]
+        ratio = early["quality"] / full["quality"] if full["quality"] else float("nan")
+        rows.append(
+            f"| {record['task']} | {record['metric']} | {full['quality']:.3f} | {early['quality']:.3f} "
+            f"| {ratio:.1%} | {early['expected_time_reduction']:.1%} / "
+            f"{early.get('expected_time_reduction_flops', float('nan')):.1%} "
+            f"| {record['wall_clock_time_reduction']:.1%} | {record.get('samples', '?')} x "
+            f"{record.get('batch_size', '?')} | {record.get('device', '?')} |"
+        )
+    return "\n".join(rows)
+
+
+def training_summary(recipe: dict[str, Any] | None) -> str:
+    if recipe is None:
+        return "Not recorded with this folder (no `training_recipe.json`)."
+    lines = [f"- `{name}`: {value}" for name, value in recipe.get("options", {}).items()]
+    for name in ("script", "parameters", "device", "mixture", "train_runtime_seconds"):
+        if name in recipe:
+            lines.append(f"- {name.replace('_', ' ')}: {recipe[name]}")
+    return "The recipe (`training_recipe.json` in this repository):\n\n" + "\n".join(lines)
+
+
+def render_model_card(
+    repo_id: str,
+    config: dict[str, Any],
+    generation_config: dict[str, Any],
+    records: list[dict[str, Any]],
+    recipe: dict[str, Any] | None = None,
+    plot: str | None = None,
+    datasets: list[str] | None = None,
+    base_model: str | None = None,
+    license: str | None = None,
+    pipeline_tag: str = "image-to-text",
+    table: str | None = None,
+) -> str:
+    """The README.md of a published model: Hub metadata, then the template in `model_cards/` filled with the usage
+    code, the measured `table` (default: `measured_table(records)`), the `plot` (a file name in the repository),
+    the training recipe and the limitations."""
+    from huggingface_hub import ModelCardData
+
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag=pipeline_tag,
+        tags=TAGS,
+        datasets=datasets or None,
+        base_model=base_model,
+        license=license,
+    )
+    knobs = {name: generation_config[name] for name in EXIT_KNOBS if generation_config.get(name) is not None}
+    body = Template(resources.files("hf_earlyexit.model_cards").joinpath(CARD_TEMPLATE).read_text())
+    architecture = (
+        f"{config.get('encoder_layers')} encoder and {config.get('decoder_layers')} decoder layers, "
+        f"d_model {config.get('d_model')}"
+    )
+    text = body.substitute(
+        title=repo_id.split("/")[-1],
+        architecture=architecture,
+        repo_id=repo_id,
+        settings=f"`{json.dumps(knobs)}`" if knobs else "none (the model runs at full depth unless asked to exit)",
+        table=table if table is not None else measured_table(records),
+        plot=f"\n![Quality against expected time reduction]({plot})\n" if plot else "",
+        training=training_summary(recipe),
+    )
+    return f"---\n{data.to_yaml()}\n---\n\n{text}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The folder and its validation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_model_dir(model_dir: Path) -> dict[str, Any]:
+    """The folder's config, or ValueError when it is not an hf-earlyexit model."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{model_dir} is not a model folder (no config.json).")
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") != MODEL_TYPE:
+        raise ValueError(f"{model_dir} is not an hf-earlyexit model (model_type {config.get('model_type')!r}).")
+    return config
+
+
+def check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"Invalid repo id {repo_id!r}: {error}") from None
+
+
+def assemble(
+    model_dir: str | Path,
+    output_dir: str | Path,
+    repo_id: str,
+    benchmark: list[str | Path] | None = None,
+    plot: str | Path | None = None,
+    **card_fields,
+) -> Path:
+    """Write the Hub-ready folder of `model_dir` to `output_dir`: re-saved with this package's model code (weights
+    as safetensors, configs with `auto_map`, processor and tokenizer files, generation defaults), the records in
+    `RECORDS`, the plot and the card. `benchmark`: files of `bench --json` lines (default the folder's
+    benchmark.jsonl); `plot`: a PNG (default the folder's tradeoff.png). `card_fields` go to `render_model_card`.
+    Refuses a card without measured numbers and an `output_dir` that holds something other than a model folder."""
+    from . import EarlyExitOFAForConditionalGeneration, OFAProcessor
+
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    check_repo_id(repo_id)
+    config = check_model_dir(model_dir)
+    if benchmark is None:
+        benchmark = [model_dir / "benchmark.jsonl"] if (model_dir / "benchmark.jsonl").is_file() else []
+    records = [record for path in benchmark for record in read_benchmark(path)]
+    if not records:
+        raise ValueError(
+            f"The model card needs measured numbers: run `hf-earlyexit bench {model_dir} --task TASK --json >> "
+            f"{model_dir / 'benchmark.jsonl'}` (or pass --benchmark FILE)."
+        )
+    if plot is not None and not Path(plot).is_file():
+        raise ValueError(f"No plot at {plot}.")
+    plot = Path(plot) if plot is not None else model_dir / "tradeoff.png"
+    if output_dir.resolve() == model_dir.resolve():
+        raise ValueError("The output folder must not be the model folder.")
+    if output_dir.exists() and any(output_dir.iterdir()):
+        if not (output_dir / "config.json").is_file():
+            raise ValueError(f"{output_dir} exists and is not a model folder: give another --output-dir.")
+        check_model_dir(output_dir)  # a previous assembly: replaced
+        shutil.rmtree(output_dir)
+
+    model = EarlyExitOFAForConditionalGeneration.from_pretrained(model_dir)
+    OFAProcessor.from_pretrained(model_dir).save_pretrained(output_dir)
+    model.save_pretrained(output_dir)  # safetensors, config (auto_map) and the remote-code files
+    for name in RECORDS:
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, output_dir / name)
+    (output_dir / "benchmark.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    if plot.is_file():
+        shutil.copy(plot, output_dir / "tradeoff.png")
+    recipe_file = output_dir / "training_recipe.json"
+    card = render_model_card(
+        repo_id,
+        config,
+        model.generation_config.to_dict(),
+        records,
+        recipe=json.loads(recipe_file.read_text()) if recipe_file.is_file() else None,
+        plot="tradeoff.png" if plot.is_file() else None,
+        **card_fields,
+    )
+    (output_dir / "README.md").write_text(card)
+    return output_dir
+
+
+# Runs in a fresh interpreter: `hf_earlyexit` cannot be imported, the Hub is offline, the modules cache is new.
+VALIDATION_SCRIPT = """
+import importlib, json, sys
+sys.modules["hf_earlyexit"] = None  # any import of the package now fails
+import torch
+from PIL import Image
+from transformers import AutoModel, AutoProcessor
+
+folder, image_path, no_exit = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+processor = AutoProcessor.from_pretrained(folder, trust_remote_code=True)
+controllers = importlib.import_module(type(model).__module__.rsplit(".", 1)[0] + ".exit_controllers")
+inputs = processor(images=Image.open(image_path), text=" what does the image describe?", return_tensors="pt")
+runs = {"full": no_exit, "defaults": {}, "first_layer": {**no_exit, "exit_controller": controllers.FixedLayerExit(1)}}
+report = {"module": type(model).__module__}
+with torch.no_grad():
+    for name, knobs in runs.items():
+        out = model.generate(**inputs, **knobs, max_new_tokens=8, do_sample=False, num_beams=1,
+                             return_dict_in_generate=True)
+        report[name] = {"sequences": out.sequences.tolist(), "exit_layers": out.exit_layers.tolist(),
+                        "encoder_exit_layers": out.encoder_exit_layers.tolist()}
+report["hf_earlyexit_imported"] = sys.modules.get("hf_earlyexit") is not None
+print(json.dumps(report))
+"""
+
+
+def validate_folder(folder: str | Path, timeout: float = 600) -> dict[str, Any]:
+    """Load `folder` with `trust_remote_code=True` in a subprocess where `hf_earlyexit` is not importable (offline,
+    empty modules cache) and generate with no exit, with the saved exit defaults and with every token exiting after
+    decoder layer 1; check the exits happened and that the full model gives this package's tokens. Returns the
+    subprocess's report; raises ValueError with the reason otherwise."""
+    import os
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from . import EarlyExitOFAForConditionalGeneration, FixedLayerExit, OFAProcessor
+
+    folder = Path(folder)
+    no_exit = {name: value for name, value in EXIT_KNOBS.items() if name != "exit_controller"}
+    with tempfile.TemporaryDirectory() as scratch:
+        image_path = Path(scratch) / VALIDATION_IMAGE
+        pixels = np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(image_path)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(Path(scratch) / "modules")}
+        env.pop("PYTHONPATH", None)
+        try:
+            result = subprocess.run(
+                [sys.executable, "-c", VALIDATION_SCRIPT, str(folder.resolve()), str(image_path), json.dumps(no_exit)],
+                capture_output=True, text=True, env=env, cwd=scratch, timeout=timeout,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise ValueError(f"Validation of {folder} did not finish in {timeout:.0f} s.") from None
+        if result.returncode != 0:
+            last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
+            raise ValueError(f"{folder} does not load and generate without hf_earlyexit: {last}")
+        report = json.loads(result.stdout.strip().splitlines()[-1])
+        model = EarlyExitOFAForConditionalGeneration.from_pretrained(folder).eval()
+        inputs = OFAProcessor.from_pretrained(folder)(
+            images=Image.open(image_path), text=" what does the image describe?", return_tensors="pt"
+        )
+        with torch.no_grad():
+            expected = {
+                name: model.generate(**inputs, **no_exit, **extra, max_new_tokens=8, do_sample=False, num_beams=1)
+                for name, extra in (("full", {}), ("first_layer", {"exit_controller": FixedLayerExit(1)}))
+            }
+    depth = model.config.decoder_layers
+    problems = []
+    if report["hf_earlyexit_imported"] or report["module"].startswith("hf_earlyexit"):
+        problems.append("the model loaded hf_earlyexit instead of the folder's code")
+    for name, sequences in expected.items():
+        if report[name]["sequences"] != sequences.tolist():
+            problems.append(f"the remote code's {name.replace('_', ' ')} tokens differ from this package's")
+    if any(layer not in (0, depth) for row in report["full"]["exit_layers"] for layer in row):
+        problems.append("the full model exited early")
+    if any(layer not in (0, 1) for row in report["first_layer"]["exit_layers"] for layer in row):
+        problems.append("tokens forced to exit after layer 1 ran deeper")
+    if problems:
+        raise ValueError(f"{folder} failed validation: {'; '.join(problems)}.")
+    return report
+
+
+def check_card(folder: Path) -> None:
+    """The card parses with `huggingface_hub.ModelCard` and holds the measured table."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(folder / "README.md")
+    if card.data.library_name != "transformers" or "| wall-clock reduction |" not in card.text:
+        raise ValueError(f"{folder / 'README.md'} lacks the metadata or the measured table.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Publishing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def publish(
+    model_dir: str | Path,
+    repo_id: str,
+    private: bool = False,
+    dry_run: bool = False,
+    output_dir: str | Path | None = None,
+    token: str | None = None,
+    commit_message: str = "Upload OFA-EE model with hf-earlyexit",
+    **assemble_kwargs,
+) -> Published:
+    """Assemble `model_dir` for `repo_id` (in `output_dir`, default a folder named after the repo), validate it,
+    and unless `dry_run` create the repository and upload the folder. The token is `token`, else the one
+    `huggingface_hub` finds (`HF_TOKEN`, `hf auth login`). Bad input raises ValueError before anything is written
+    or sent; a failed upload raises PublishError, keeping the folder."""
+    from huggingface_hub import HfApi, get_token
+
+    check_repo_id(repo_id)
+    check_model_dir(Path(model_dir))
+    token = token or get_token()
+    if not dry_run and not token:
+        raise ValueError("No Hugging Face token: set HF_TOKEN, run `hf auth login`, or pass --token.")
+    folder = assemble(model_dir, Path(output_dir or repo_id.split("/")[-1]), repo_id, **assemble_kwargs)
+    check_card(folder)
+    report = validate_folder(folder)
+    if dry_run:
+        return Published(folder, None, report)
+    api = HfApi(token=token)
+    try:
+        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, repo_type="model")
+    except Exception as error:  # whatever the network or the Hub raised, the user must learn where the folder is
+        raise PublishError(
+            f"Uploading to {repo_id} failed ({type(error).__name__}: {error}); the folder is kept at {folder}.",
+            folder,
+        ) from error
+    return Published(folder, str(url), report)
+
+
+__all__ = [
+    "NOT_MEASURED",
+    "PublishError",
+    "Published",
+    "assemble",
+    "check_card",
+    "measured_table",
+    "publish",
+    "read_benchmark",
+    "render_model_card",
+    "validate_folder",
+]

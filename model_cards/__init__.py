@@ -1,0 +1,1 @@
+"""Model card templates (`string.Template`, `$name` fields) that `hf_earlyexit.publishing` fills at publish time."""

@@ -1,0 +1,214 @@
+"""Publishing: the assembled folder (files, auto_map, generation defaults), the card (metadata, measured table),
+the validation in a process without hf_earlyexit, the upload through a patched huggingface_hub, and each error."""
+
+import json
+import os
+from unittest import mock
+
+import pytest
+from huggingface_hub import ModelCard
+
+from hf_earlyexit import publishing
+from hf_earlyexit.calibration import write_generation_defaults
+from hf_earlyexit.cli import main
+from hf_earlyexit.publishing import PublishError, assemble, publish, read_benchmark, validate_folder
+from hf_earlyexit.training import small_model_and_processor
+
+REPO_ID = "someone/ofa-ee-tiny"
+KNOBS = {"exit_threshold": 0.9, "exit_policy": "confidence", "encoder_image_exit_threshold": 0.95}
+# The shape `hf-earlyexit bench MODEL_DIR --json` prints (tests/hf_earlyexit/test_benchmark.py checks that shape).
+RECORD = {
+    "task": "vqa",
+    "metric": "accuracy",
+    "samples": 200,
+    "batch_size": 1,
+    "device": "cpu (2 threads)",
+    "full": {"quality": 0.8, "seconds": 2.0},
+    "early_exit": {
+        "quality": 0.796,
+        "seconds": 1.2,
+        "expected_time_reduction": 0.4321,
+        "expected_time_reduction_flops": 0.6012,
+        "settings": KNOBS,
+    },
+    "quality_ratio": 0.995,
+    "wall_clock_time_reduction": 0.3912,
+}
+CODE_FILES = {
+    "configuration_ofa.py",
+    "modeling_ofa.py",
+    "exit_controllers.py",
+    "early_exit_cache.py",
+    "generation_early_exit.py",
+    "processing_ofa.py",
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A small trained-format model folder: weights, processor, calibrated defaults, a recipe and a benchmark."""
+    folder = tmp_path_factory.mktemp("model")
+    texts = ["a red circle left of a blue square", " what does the image describe?", "yes", "no"] * 20
+    sizes = dict(d_model=32, encoder_layers=2, decoder_layers=3, encoder_ffn_dim=64, decoder_ffn_dim=64)
+    model, processor = small_model_and_processor(texts, vocab_size=300, decompose_encoder_modalities=True, **sizes)
+    write_generation_defaults(model, KNOBS)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    (folder / "benchmark.jsonl").write_text(json.dumps(RECORD) + "\n")
+    (folder / "training_recipe.json").write_text(json.dumps({"script": "train.py", "options": {"max_steps": 7}}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def assembled(model_dir, tmp_path_factory):
+    return assemble(model_dir, tmp_path_factory.mktemp("hub") / "ofa-ee-tiny", REPO_ID, datasets=["easy-vqa"])
+
+
+def test_folder_has_weights_code_processor_and_auto_maps(assembled):
+    names = {path.name for path in assembled.iterdir()}
+    assert names == CODE_FILES | {
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "processor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "benchmark.jsonl",
+        "training_recipe.json",
+    }
+    config = json.loads((assembled / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_ofa.OFAEarlyExitConfig",
+        "AutoModel": "modeling_ofa.EarlyExitOFAForConditionalGeneration",
+    }
+    processor_config = json.loads((assembled / "processor_config.json").read_text())
+    assert processor_config["auto_map"]["AutoProcessor"] == "processing_ofa.OFAProcessor"
+    assert processor_config["image_processor"]["auto_map"]["AutoImageProcessor"] == "processing_ofa.OFAImageProcessor"
+    generation = json.loads((assembled / "generation_config.json").read_text())
+    assert {name: generation[name] for name in KNOBS} == KNOBS
+    assert read_benchmark(assembled / "benchmark.jsonl") == [RECORD]
+
+
+def test_card_metadata_parses_and_holds_the_measured_table(assembled):
+    card = ModelCard.load(assembled / "README.md")
+    assert card.data.library_name == "transformers"
+    assert card.data.pipeline_tag == "image-to-text"
+    assert card.data.datasets == ["easy-vqa"]
+    assert {"early-exit", "custom_code"} <= set(card.data.tags)
+    assert "| vqa | accuracy | 0.800 | 0.796 | 99.5% | 43.2% / 60.1% | 39.1% | 200 x 1 | cpu (2 threads) |" in card.text
+    assert f'AutoModel.from_pretrained("{REPO_ID}", trust_remote_code=True)' in card.text
+    assert json.dumps(KNOBS) in card.text  # the calibrated defaults
+    assert "`max_steps`: 7" in card.text  # the recipe
+    assert "2 encoder and 3 decoder layers, d_model 32" in card.text
+
+
+def test_validation_loads_without_the_package_and_generates_with_and_without_exits(assembled):
+    report = validate_folder(assembled)
+    assert report["hf_earlyexit_imported"] is False
+    assert report["module"].startswith("transformers_modules")
+    assert {layer for row in report["full"]["exit_layers"] for layer in row} <= {0, 3}
+    assert {layer for row in report["first_layer"]["exit_layers"] for layer in row} <= {0, 1}
+    assert report["defaults"]["encoder_exit_layers"]  # the calibrated defaults ran
+
+
+def test_validation_refuses_a_folder_whose_code_does_not_load(assembled, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in assembled.iterdir():
+        (broken / path.name).write_bytes(path.read_bytes())
+    (broken / "exit_controllers.py").write_text("raise ImportError('half-copied folder')\n")
+    with pytest.raises(ValueError, match="does not load and generate without hf_earlyexit: .*half-copied folder"):
+        validate_folder(broken)
+
+
+def test_publish_creates_the_repo_and_uploads_the_validated_folder(model_dir, tmp_path):
+    with mock.patch("huggingface_hub.HfApi") as api_class:
+        api = api_class.return_value
+        api.create_repo.return_value = f"https://huggingface.co/{REPO_ID}"
+        published = publish(model_dir, REPO_ID, private=True, output_dir=tmp_path / "out", token="hf_test")
+    api_class.assert_called_once_with(token="hf_test")
+    api.create_repo.assert_called_once_with(REPO_ID, private=True, exist_ok=True, repo_type="model")
+    api.upload_folder.assert_called_once_with(
+        repo_id=REPO_ID,
+        folder_path=tmp_path / "out",
+        commit_message="Upload OFA-EE model with hf-earlyexit",
+        repo_type="model",
+    )
+    assert published.url == f"https://huggingface.co/{REPO_ID}"
+    assert published.validation["hf_earlyexit_imported"] is False
+
+
+@pytest.fixture
+def no_validation(monkeypatch):
+    """The error tests below stop before or after validation, which the tests above cover."""
+    monkeypatch.setattr(publishing, "validate_folder", lambda folder: {})
+
+
+def test_network_failure_keeps_the_folder_and_says_where(model_dir, tmp_path, no_validation):
+    with mock.patch("huggingface_hub.HfApi") as api_class:
+        api_class.return_value.create_repo.side_effect = ConnectionError("Name or service not known")
+        with pytest.raises(PublishError, match=f"Name or service not known.*kept at {tmp_path / 'out'}"):
+            publish(model_dir, REPO_ID, output_dir=tmp_path / "out", token="hf_test")
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_no_token_is_an_error_before_anything_is_written(model_dir, tmp_path, monkeypatch, no_validation):
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    with pytest.raises(ValueError, match="No Hugging Face token"):
+        publish(model_dir, REPO_ID, output_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert publish(model_dir, REPO_ID, output_dir=tmp_path / "out", dry_run=True).url is None  # no token needed
+
+
+@pytest.mark.parametrize(
+    "repo_id, make_dir, match",
+    [
+        ("someone/bad name!", None, "Invalid repo id"),
+        (REPO_ID, "no_config", "not a model folder"),
+        (REPO_ID, "other_model", "not an hf-earlyexit model"),
+        (REPO_ID, "no_benchmark", "needs measured numbers"),
+    ],
+)
+def test_bad_input_is_a_clear_error(model_dir, tmp_path, no_validation, repo_id, make_dir, match):
+    source = model_dir
+    if make_dir:
+        source = tmp_path / make_dir
+        source.mkdir()
+        if make_dir != "no_config":
+            for path in model_dir.iterdir():
+                if path.name != "benchmark.jsonl":
+                    (source / path.name).write_bytes(path.read_bytes())
+        if make_dir == "other_model":
+            config = json.loads((source / "config.json").read_text())
+            (source / "config.json").write_text(json.dumps({**config, "model_type": "bart"}))
+    with pytest.raises(ValueError, match=match):
+        publish(source, repo_id, output_dir=tmp_path / "out", dry_run=True)
+
+
+def test_output_folder_holding_other_files_is_not_overwritten(model_dir, tmp_path, no_validation):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not a model folder"):
+        publish(model_dir, REPO_ID, output_dir=tmp_path / "out", dry_run=True)
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+def test_cli_dry_run_prints_the_folder_and_errors_are_one_line(model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(publishing, "validate_folder", lambda folder: {})
+    monkeypatch.chdir(tmp_path)
+    assert main(["publish", str(model_dir), "--repo-id", REPO_ID, "--dry-run", "--license", "mit"]) == 0
+    assert capsys.readouterr().out.strip().endswith("ofa-ee-tiny")
+    assert ModelCard.load(tmp_path / "ofa-ee-tiny" / "README.md").data.license == "mit"
+
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    for argv, message in [
+        (["publish", str(model_dir), "--repo-id", REPO_ID], "No Hugging Face token"),
+        (["publish", str(tmp_path / "missing"), "--repo-id", REPO_ID, "--dry-run"], "not a model folder"),
+        (["publish", str(model_dir), "--repo-id", "a/b/c", "--dry-run"], "Invalid repo id"),
+    ]:
+        assert main(argv) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and message in error, error
+    assert os.listdir(tmp_path) == ["ofa-ee-tiny"]
