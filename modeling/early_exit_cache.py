@@ -88,28 +88,47 @@ class EarlyExitCache(DynamicCache):
 
     def fill_skipped(
         self,
-        last_layer: int,
-        rows: torch.Tensor | None,
+        layers_run: torch.Tensor,
         slots: slice,
-        hidden_states: torch.Tensor,
+        exit_outputs: torch.Tensor,
         project: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
-        """Rows (None: all) that exited after layer index `last_layer` with `hidden_states` [rows, q, d]: fill the
-        slots of the layers they skip. `project(layer_idx, hidden)` gives that layer's K/V of a hidden state."""
-        skipped = range(last_layer + 1, self.num_layers)
-        row_index = slice(None) if rows is None else rows
+        """After a decoding step: fill the slots of the layers each row skipped. `layers_run` [batch] counts the
+        layers each row ran (the depth: none skipped); `exit_outputs` [batch, q, d] holds the output of its last
+        layer for the rows that stopped early. `project(layer_idx, hidden)` gives that layer's K/V of a hidden state.
+
+        Done once per step, not at each exit, so that at batch > 1 a skipped layer costs one projection (propagate)
+        or one copy per exit depth, whatever the number of rows and of layers they left at."""
+        depth = self.num_layers
+        by_depth: dict[int, list[int]] = {}
+        for row, ran in enumerate(layers_run.tolist()):  # one host sync per step
+            if ran < depth:
+                by_depth.setdefault(ran, []).append(row)
+        if not by_depth:
+            return
+        batch, device = layers_run.shape[0], layers_run.device
+
+        def index(rows: list[int]) -> torch.Tensor | None:  # None: every row, in order (no gathers)
+            return None if len(rows) == batch else torch.tensor(sorted(rows), device=device)
+
         if self.kv_strategy == "propagate":
-            for layer_idx in skipped:
-                self.write(layer_idx, *project(layer_idx, hidden_states), rows, slots)
+            for layer_idx in range(min(by_depth), depth):
+                rows = index([row for ran, group in by_depth.items() if ran <= layer_idx for row in group])
+                states = exit_outputs if rows is None else exit_outputs[rows]
+                self.write(layer_idx, *project(layer_idx, states), rows, slots)
         elif self.kv_strategy == "copy":
-            exit_layer = self.layers[last_layer]
-            key, value = exit_layer.keys[row_index, :, slots], exit_layer.values[row_index, :, slots]
-            for layer_idx in skipped:
-                self.write(layer_idx, key, value, rows, slots)
-        elif last_layer + 1 < self.num_layers:
-            self.frontier[row_index, slots] = last_layer + 1
-            self.pending[row_index, slots] = hidden_states.to(self.pending.dtype)
-            self.waiting_layers.add(last_layer + 1)
+            for ran, group in by_depth.items():
+                rows = index(group)
+                exit_layer = self.layers[ran - 1]
+                row_index = slice(None) if rows is None else rows
+                key, value = exit_layer.keys[row_index, :, slots], exit_layer.values[row_index, :, slots]
+                for layer_idx in range(ran, depth):
+                    self.write(layer_idx, key, value, rows, slots)
+        else:
+            rows = torch.tensor(sorted(row for group in by_depth.values() for row in group), device=device)
+            self.frontier[rows, slots] = layers_run[rows, None]  # each waits for the first layer it skipped
+            self.pending[rows, slots] = exit_outputs[rows].to(self.pending.dtype)
+            self.waiting_layers.update(by_depth)
 
     def pending_inputs(
         self, layer_idx: int, rows: torch.Tensor

@@ -1054,6 +1054,7 @@ class OFADecoder(nn.Module):
         exit_layers = torch.full((batch,), len(layers), dtype=torch.long, device=input_ids.device)
         all_rows = torch.arange(batch, device=input_ids.device)
         final, active = None, None  # active: the rows still running (None: all of them)
+        exit_outputs = None  # [batch, q, d]: the last layer's output of each row that stopped early
         query_mask = attention_mask[:, past:] if attention_mask is not None else None
         states, self_attentions, cross_attentions, exit_states = [hidden_states], [], [], []
         for count, idx in enumerate(layers, start=1):
@@ -1114,15 +1115,17 @@ class OFADecoder(nn.Module):
                 continue
             if stopping == len(rows):  # every running row stops here; the states after the loop are theirs
                 exit_layers[rows] = count
-                if self_cache is not None:
-                    cache_rows = None if active is None else rows  # None: the whole batch, no gathers
-                    self_cache.fill_skipped(idx, cache_rows, slots, hidden_states, self.skipped_key_values)
+                if exit_outputs is None:
+                    exit_outputs = hidden_states  # the whole batch stopped at once
+                else:
+                    exit_outputs[rows] = hidden_states
                 hidden_states = exit_state()
                 break
             exiting = rows[stop]
             exit_layers[exiting] = count
-            if self_cache is not None:
-                self_cache.fill_skipped(idx, exiting, slots, hidden_states[stop], self.skipped_key_values)
+            if exit_outputs is None:
+                exit_outputs = torch.empty_like(states[0])
+            exit_outputs[exiting] = hidden_states[stop]
             if final is None:
                 final = torch.empty_like(states[0])
             final[exiting] = exit_state()[stop]
@@ -1133,6 +1136,8 @@ class OFADecoder(nn.Module):
             cross_bias, query_mask = cross_bias[keep], select_rows(query_mask, keep)
         if final is not None:  # the rows still running at the end, or the last ones to stop
             final[active.index] = hidden_states
+        if self_cache is not None and exit_outputs is not None:  # the skipped layers' slots, once for the step
+            self_cache.fill_skipped(exit_layers, slots, exit_outputs, self.skipped_key_values)
         if exit_settings is not None:
             exit_settings.record.decoder_steps.append(exit_layers)
 

@@ -202,6 +202,26 @@ def test_exit_layers_count_the_layer_calls_that_ran(model, strategy):
     assert sum(encoder_calls) == int(out.encoder_exit_layers[:, 0].sum())
 
 
+def test_propagate_projects_each_skipped_layer_once_per_step_whatever_the_rows(model):
+    """Rows leaving at layers 1, 2 and 3 skip layers {2, 3, 4}, {3, 4} and {4}: one projection per skipped layer
+    (3 a step), not one per row and layer (6), so a larger batch adds no projection calls."""
+    projected: list[int] = []
+    original = model.decoder.skipped_key_values
+
+    def counting(layer_idx, hidden_states):
+        projected.append(layer_idx)
+        return original(layer_idx, hidden_states)
+
+    model.decoder.skipped_key_values = counting
+    try:
+        out = generate(model, batch_of(4), "greedy", exit_controller=mixed_exits(), kv_strategy="propagate")
+    finally:
+        del model.decoder.skipped_key_values
+    per_step = [sorted({layer for layer in range(DEPTH) if any(layer >= ran for ran in step)})
+                for step in out.exit_layers.T.tolist()]  # fmt: skip
+    assert projected == [layer for step in per_step for layer in step]
+
+
 def test_min_exit_layer_holds_back_exits(model):
     out = generate(model, batch_of(4), "greedy", exit_controller=FixedLayerExit(1), min_exit_layer=3)
     assert bool((out.exit_layers == 3).all())
