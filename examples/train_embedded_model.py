@@ -1,14 +1,14 @@
 """Reproduce the model that ships inside the package (`hf_earlyexit/embedded_model/`).
 
 One small OFA-EE (hf_earlyexit.training.SMALL_OFA with MuE's modality-decomposed encoder, a BPE trained on the
-data's text) learns three tasks at once from scratch on a CPU: easy-VQA questions, entailment of easy-VQA
-captions, and shape-scene captions (plus easy-VQA's own short captions, which ground the VQA answers in the
-image). The loss is MuE's layer-wise loss on every decoder layer; with `encoder_exit_sampling` half the rows see
-each encoder stream stopped after a random layer, so the decoder also answers from the shallower states encoder
-exits leave. The calibration (`hf-earlyexit calibrate`) then writes the exit thresholds into the model's
+data's text) learns three tasks at once from scratch (on a GPU when there is one, else the CPU): easy-VQA questions,
+entailment of easy-VQA captions, and shape-scene captions (plus easy-VQA's own short captions, which ground the VQA
+answers in the image). The loss is MuE's layer-wise loss on every decoder layer; with `encoder_exit_sampling` half
+the rows see each encoder stream stopped after a random layer, so the decoder also answers from the shallower
+states encoder exits leave. The calibration (`hf-earlyexit calibrate`) then writes the exit thresholds into the model's
 generation defaults.
 
-    python examples/train_embedded_model.py --output-dir hf_earlyexit/embedded_model
+    python examples/train_embedded_model.py --output-dir hf_earlyexit/embedded_model --workers 14
     hf-earlyexit calibrate hf_earlyexit/embedded_model --tasks vqa,entailment,caption --write
 """
 
@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import datasets
+import torch
 
 from hf_earlyexit import EarlyExitTrainingArguments
 from hf_earlyexit.tasks import TASKS, easy_vqa_caption_rows
@@ -24,7 +25,10 @@ from hf_earlyexit.training import small_model_and_processor, train_exits
 
 PACKAGE_MODEL = Path(__file__).resolve().parents[1] / "hf_earlyexit" / "embedded_model"
 # Sampling weights of the training mixture (captions are longest and hardest, so they get the most steps).
-MIXTURE = {"vqa": 0.3, "entailment": 0.2, "caption": 0.4, "easy_vqa_caption": 0.1}
+# Entailment is weighted far above its size (5,248 rows): at 0.2 of 5,000 steps it stayed at chance. At 0.3 it still
+# does, on the training rows too (the README's limitations); the decomposed encoder leaves the caption-image
+# comparison to the decoder alone.
+MIXTURE = {"vqa": 0.25, "entailment": 0.3, "caption": 0.35, "easy_vqa_caption": 0.1}
 
 
 MODEL_CARD = """---
@@ -35,13 +39,13 @@ tags: [early-exit, ofa, vision-language, hf-earlyexit]
 
 # OFA-EE small (hf-earlyexit's embedded model)
 
-A {parameters:.1f}M-parameter OFA encoder-decoder with early exits, trained from scratch on a CPU by
+A {parameters:.1f}M-parameter OFA encoder-decoder with early exits, trained from scratch ({device}) by
 `examples/train_embedded_model.py` of hf-earlyexit and shipped inside the package, so that `hf-earlyexit demo`
 shows early exit on a trained model with no download. It is a demonstration model for 64x64 synthetic images, not a
 general captioner.
 
-- **Architecture:** OFA with a light patch stem (4x4 patches of 16 px), d_model 128, 4 encoder layers run as
-  separate image and text streams (MuE's decomposition), 4 decoder layers; every decoder layer can exit through
+- **Architecture:** OFA with a light patch stem (4x4 patches of 16 px), d_model 128, {layers} encoder layers run as
+  separate image and text streams (MuE's decomposition), {layers} decoder layers; every decoder layer can exit through
   the shared final LayerNorm and head.
 - **Tasks** (`hf_earlyexit.tasks`): easy-VQA questions (VQA accuracy), entailment of easy-VQA captions in OFA's
   SNLI-VE prompt (accuracy), and shape-scene captions of 9-19 words (CIDEr).
@@ -66,11 +70,15 @@ Licence: MIT (easy-VQA is MIT, (c) 2019 Victor Zhou; the shape scenes are genera
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="hf_earlyexit/embedded_model")
-    parser.add_argument("--max-steps", type=int, default=5000)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-steps", type=int, default=4200)
+    parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=5e-4)  # 2e-3 stayed on the text prior
     parser.add_argument("--encoder-exit-sampling", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    # Six layers a part: at batch 1 a small layer costs about as much as the fixed work of a step (embeddings, the
+    # decoding loop), so more layers give exits more of the time to save.
+    parser.add_argument("--layers", type=int, default=6, help="encoder and decoder layers")
+    parser.add_argument("--workers", type=int, default=1, help="data loader processes")
     options = parser.parse_args()
 
     parts = {name: task.dataset("train") for name, task in TASKS.items()}
@@ -84,7 +92,12 @@ def main() -> None:
     )
     texts = [text for part in parts.values() for column in ("prompt", "target") for text in part[column]]
     model, processor = small_model_and_processor(
-        texts, seed=options.seed, dropout=0.0, decompose_encoder_modalities=True
+        texts,
+        seed=options.seed,
+        dropout=0.0,
+        decompose_encoder_modalities=True,
+        encoder_layers=options.layers,
+        decoder_layers=options.layers,
     )
     args = EarlyExitTrainingArguments(
         output_dir=options.output_dir,
@@ -99,9 +112,9 @@ def main() -> None:
         logging_steps=max(1, options.max_steps // 30),
         save_strategy="no",
         report_to="none",
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),
         seed=options.seed,
-        dataloader_num_workers=1,
+        dataloader_num_workers=options.workers,
     )
     trainer = train_exits(model, processor, mixture, args, text_column="prompt", target_column="target")
     output = Path(options.output_dir)
@@ -120,11 +133,14 @@ def main() -> None:
         "mixture": MIXTURE,
         "training_rows": {name: len(part) for name, part in parts.items()},
         "parameters": model.num_parameters(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "last_log": history[-1],
         "train_runtime_seconds": trainer.state.log_history[-1]["train_runtime"],
     }
     Path(options.output_dir, "training_recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
-    Path(options.output_dir, "README.md").write_text(MODEL_CARD.format(parameters=model.num_parameters() / 1e6))
+    Path(options.output_dir, "README.md").write_text(
+        MODEL_CARD.format(parameters=model.num_parameters() / 1e6, device=recipe["device"], layers=options.layers)
+    )
     print(json.dumps(recipe, indent=2))
 
 

@@ -313,6 +313,7 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encoder-image-exit-threshold", dest="encoder_image_exit_threshold", type=float)
     parser.add_argument("--encoder-text-exit-threshold", dest="encoder_text_exit_threshold", type=float)
     parser.add_argument("--encoder-exit-threshold", dest="encoder_exit_threshold", type=float)
+    parser.add_argument("--kv-strategy", dest="kv_strategy", choices=["propagate", "copy", "recompute"])
     parser.add_argument("--full", action="store_true", help="the full model (no exit)")
 
 

@@ -12,10 +12,10 @@ from hf_earlyexit.tasks import get_task
 MODELING = Path(__file__).resolve().parents[2] / "modeling"
 
 
-def test_it_is_under_25_mb_with_tokenizer_processor_card_and_calibration():
+def test_it_is_under_25_mb_with_tokenizer_processor_card_calibration_and_benchmark():
     files = {path.name for path in EMBEDDED_MODEL_DIR.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "processor_config.json"} <= files
-    assert {"tokenizer.json", "README.md", "calibration.json", "training_recipe.json"} <= files
+    assert {"tokenizer.json", "README.md", "calibration.json", "training_recipe.json", "benchmark.jsonl"} <= files
     assert sum(path.stat().st_size for path in EMBEDDED_MODEL_DIR.iterdir()) <= 25 * 2**20
     assert "training_args.bin" not in files  # no pickles in the package
 
@@ -41,3 +41,17 @@ def test_it_loads_as_remote_code_and_exits_early_by_default():
     assert decoder_layers < model.config.decoder_layers or encoder_layers < model.config.encoder_layers
     captions = processor.batch_decode(out.sequences, skip_special_tokens=True)
     assert all(len(caption.split()) >= 4 for caption in captions)
+
+
+def test_it_publishes_as_a_hub_folder_whose_card_holds_its_benchmark(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from hf_earlyexit.publishing import publish, read_benchmark
+
+    published = publish(EMBEDDED_MODEL_DIR, "someone/ofa-ee-small", dry_run=True, output_dir=tmp_path / "hub")
+    assert published.validation["hf_earlyexit_imported"] is False
+    card = ModelCard.load(published.folder / "README.md").text
+    for record in read_benchmark(EMBEDDED_MODEL_DIR / "benchmark.jsonl"):
+        assert f"| {record['task']} | {record['metric']} | {record['full']['quality']:.3f} |" in card
+    assert "![Quality against expected time reduction](tradeoff.png)" in card
+    assert (published.folder / "tradeoff.png").is_file()
