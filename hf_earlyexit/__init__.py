@@ -15,6 +15,7 @@ from .modeling.exit_controllers import (
 )
 from .modeling.generation_early_exit import EarlyExitSettings
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
+from .publishing import PublishError, publish
 from .trainers import EarlyExitTrainer, EarlyExitTrainingArguments
 
 # With the package imported, the Auto classes resolve our model type without remote code.
@@ -35,9 +36,11 @@ __all__ = [
     "ExitState",
     "FixedLayerExit",
     "PatienceExit",
+    "PublishError",
     "SimilarityExit",
     "EarlyExitOFAForConditionalGeneration",
     "OFAEarlyExitConfig",
     "OFAImageProcessor",
     "OFAProcessor",
+    "publish",
 ]

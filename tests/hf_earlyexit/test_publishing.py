@@ -8,6 +8,7 @@ from unittest import mock
 import pytest
 from huggingface_hub import ModelCard
 
+import hf_earlyexit
 from hf_earlyexit import publishing
 from hf_earlyexit.calibration import write_generation_defaults
 from hf_earlyexit.cli import main
@@ -126,7 +127,7 @@ def test_publish_creates_the_repo_and_uploads_the_validated_folder(model_dir, tm
     with mock.patch("huggingface_hub.HfApi") as api_class:
         api = api_class.return_value
         api.create_repo.return_value = f"https://huggingface.co/{REPO_ID}"
-        published = publish(model_dir, REPO_ID, private=True, output_dir=tmp_path / "out", token="hf_test")
+        published = hf_earlyexit.publish(model_dir, REPO_ID, private=True, output_dir=tmp_path / "out", token="hf_test")
     api_class.assert_called_once_with(token="hf_test")
     api.create_repo.assert_called_once_with(REPO_ID, private=True, exist_ok=True, repo_type="model")
     api.upload_folder.assert_called_once_with(
