@@ -23,6 +23,11 @@ def test_caption_metrics_equal_hand_computed_values():
     assert perfect["ROUGE-L"] == 1.0 and perfect["BLEU-3"] == pytest.approx(1.0, abs=1e-6)
 
 
+def test_the_java_tokenizer_keeps_off_the_console(capfd):
+    metrics.load("coco_caption").compute(predictions=PREDICTIONS, references=REFERENCES, meteor=False)
+    assert "PTBTokenizer" not in capfd.readouterr().err  # it would break the progress bars around it
+
+
 def test_meteor_runs_offline_through_java():
     scores = metrics.load("coco_caption").compute(predictions=PREDICTIONS, references=REFERENCES)
     assert 0.3 < scores["METEOR"] < 1.0

@@ -1,6 +1,11 @@
 """COCO caption metrics through pycocoevalcap: BLEU-1..4, METEOR 1.5 (Java), ROUGE-L, CIDEr-D; SPICE is reported
 as unavailable (it downloads Stanford CoreNLP at first use, which an offline machine cannot)."""
 
+import contextlib
+import os
+import sys
+import tempfile
+
 import datasets
 import evaluate
 
@@ -16,6 +21,24 @@ Returns:
     "SPICE_unavailable" saying why. Texts go through the PTB tokenizer (Java), as the COCO server does.
 """
 SPICE_UNAVAILABLE = "SPICE needs Stanford CoreNLP 3.6.0, which it downloads at first use; this machine is offline."
+
+
+@contextlib.contextmanager
+def java_output_kept_aside():
+    """The PTB tokenizer's Java process writes a progress line per call to the inherited stderr, which breaks the
+    progress bars around it: send the process's stderr to a file, and into the error if tokenizing fails."""
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as sink:
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        except Exception as error:
+            sink.seek(0)
+            raise RuntimeError(f"The PTB tokenizer (Java) failed: {sink.read().decode(errors='replace')}") from error
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 class CocoCaption(evaluate.Metric):
@@ -38,8 +61,9 @@ class CocoCaption(evaluate.Metric):
         if any(len(refs) == 0 for refs in references):
             raise ValueError("Every prediction needs at least one reference caption.")
         tokenizer = PTBTokenizer()
-        gts = tokenizer.tokenize({i: [{"caption": r} for r in refs] for i, refs in enumerate(references)})
-        res = tokenizer.tokenize({i: [{"caption": p}] for i, p in enumerate(predictions)})
+        with java_output_kept_aside():
+            gts = tokenizer.tokenize({i: [{"caption": r} for r in refs] for i, refs in enumerate(references)})
+            res = tokenizer.tokenize({i: [{"caption": p}] for i, p in enumerate(predictions)})
         bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
         scores = {f"BLEU-{n}": float(value) for n, value in enumerate(bleu, start=1)}
         scores["METEOR"] = None
