@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from .data import CAPTION_PROMPT
-from .publishing import PublishError
+from .publishing import PublishError, check_model_dir, publish
 
 
 def load_image(path: str):
@@ -34,10 +34,7 @@ def load_model_and_processor(model_dir: str, **config_fields):
 
     logging.disable_progress_bar()  # the weight-loading bar would break the CLI's one-line errors
     path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{model_dir} is not a model folder (no config.json).")
-    if json.loads((path / "config.json").read_text()).get("model_type") != "ofa_early_exit":
-        raise ValueError(f"{model_dir} is not an hf-earlyexit OFA model (model_type is not 'ofa_early_exit').")
+    check_model_dir(path)
     model = AutoModel.from_pretrained(path, trust_remote_code=True, **config_fields).eval()
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
     return model, processor
@@ -491,9 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_publish(args: argparse.Namespace) -> None:
     from transformers.utils import logging
 
-    from .publishing import publish
-
     logging.disable_progress_bar()
+    datasets = parse_list(args.datasets, str.strip, "--datasets takes comma-separated ids") if args.datasets else None
     published = publish(
         args.model_dir,
         args.repo_id,
@@ -503,7 +499,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
         token=args.token,
         benchmark=args.benchmark,
         plot=args.plot,
-        datasets=[name.strip() for name in args.datasets.split(",")] if args.datasets else None,
+        datasets=datasets,
         base_model=args.base_model,
         license=args.license,
         pipeline_tag=args.pipeline_tag,

@@ -107,17 +107,16 @@ def render_model_card(
     repo_id: str,
     config: dict[str, Any],
     generation_config: dict[str, Any],
-    records: list[dict[str, Any]],
+    table: str,
     recipe: dict[str, Any] | None = None,
     plot: str | None = None,
     datasets: list[str] | None = None,
     base_model: str | None = None,
     license: str | None = None,
     pipeline_tag: str = "image-to-text",
-    table: str | None = None,
 ) -> str:
     """The README.md of a published model: Hub metadata, then the template in `model_cards/` filled with the usage
-    code, the measured `table` (default: `measured_table(records)`), the `plot` (a file name in the repository),
+    code, the measured `table` (`measured_table`), the `plot` (a file name in the repository),
     the training recipe and the limitations."""
     from huggingface_hub import ModelCardData
 
@@ -140,7 +139,7 @@ def render_model_card(
         architecture=architecture,
         repo_id=repo_id,
         settings=f"`{json.dumps(knobs)}`" if knobs else "none (the model runs at full depth unless asked to exit)",
-        table=table if table is not None else measured_table(records),
+        table=table,
         plot=f"\n![Quality against expected time reduction]({plot})\n" if plot else "",
         training=training_summary(recipe),
     )
@@ -159,7 +158,10 @@ def check_model_dir(model_dir: Path) -> dict[str, Any]:
         raise ValueError(f"{model_dir} is not a model folder (no config.json).")
     config = json.loads(config_file.read_text())
     if config.get("model_type") != MODEL_TYPE:
-        raise ValueError(f"{model_dir} is not an hf-earlyexit model (model_type {config.get('model_type')!r}).")
+        raise ValueError(
+            f"{model_dir} is not an hf-earlyexit model (model_type {config.get('model_type')!r}, not an hf-earlyexit "
+            f"OFA model's {MODEL_TYPE!r})."
+        )
     return config
 
 
@@ -199,9 +201,10 @@ def assemble(
             f"The model card needs measured numbers: run `hf-earlyexit bench {model_dir} --task TASK --json >> "
             f"{model_dir / 'benchmark.jsonl'}` (or pass --benchmark FILE)."
         )
-    if plot is not None and not Path(plot).is_file():
+    if plot is None:
+        plot = model_dir / "tradeoff.png" if (model_dir / "tradeoff.png").is_file() else None
+    elif not Path(plot).is_file():
         raise ValueError(f"No plot at {plot}.")
-    plot = Path(plot) if plot is not None else model_dir / "tradeoff.png"
     if output_dir.resolve() == model_dir.resolve():
         raise ValueError("The output folder must not be the model folder.")
     if output_dir.exists() and any(output_dir.iterdir()):
@@ -217,16 +220,16 @@ def assemble(
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, output_dir / name)
     (output_dir / "benchmark.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
-    if plot.is_file():
+    if plot is not None:
         shutil.copy(plot, output_dir / "tradeoff.png")
     recipe_file = output_dir / "training_recipe.json"
     card = render_model_card(
         repo_id,
         config,
         model.generation_config.to_dict(),
-        records,
+        measured_table(records),
         recipe=json.loads(recipe_file.read_text()) if recipe_file.is_file() else None,
-        plot="tradeoff.png" if plot.is_file() else None,
+        plot="tradeoff.png" if plot is not None else None,
         **card_fields,
     )
     (output_dir / "README.md").write_text(card)

@@ -112,8 +112,10 @@ class EarlyExitCache(DynamicCache):
             return None if len(rows) == batch else torch.tensor(sorted(rows), device=device)
 
         if self.kv_strategy == "propagate":
+            skipping: list[int] = []  # the rows that skip layer_idx: those that ran at most layer_idx layers
             for layer_idx in range(min(by_depth), depth):
-                rows = index([row for ran, group in by_depth.items() if ran <= layer_idx for row in group])
+                skipping += by_depth.get(layer_idx, [])
+                rows = index(skipping)
                 states = exit_outputs if rows is None else exit_outputs[rows]
                 self.write(layer_idx, *project(layer_idx, states), rows, slots)
         elif self.kv_strategy == "copy":

@@ -301,11 +301,10 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         numbers once the output folder has a `benchmark.jsonl` (`hf-earlyexit bench --json`)."""
         if not self.is_world_process_zero():
             return
-        from ..publishing import NOT_MEASURED, read_benchmark, render_model_card  # hf_earlyexit imports trainers
+        from ..publishing import NOT_MEASURED, measured_table, read_benchmark, render_model_card  # lazily: a cycle
 
         output = Path(self.args.output_dir)
         benchmark = output / "benchmark.jsonl"
-        records = read_benchmark(benchmark) if benchmark.is_file() else []
         args = self.args
         names = ("exit_loss", "exit_loss_weights", "encoder_exit_sampling", "freeze_backbone", "learning_rate")
         options = {name: getattr(args, name) for name in names}
@@ -319,12 +318,11 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             self.hub_model_id or model_name or output.name,
             model.config.to_dict(),
             model.generation_config.to_dict(),
-            records,
+            measured_table(read_benchmark(benchmark)) if benchmark.is_file() else NOT_MEASURED,
             recipe={"script": "EarlyExitTrainer", "options": options, "parameters": model.num_parameters()},
             datasets=[dataset] if isinstance(dataset, str) else dataset,
             base_model=finetuned_from,
             license=license,
-            table=None if records else NOT_MEASURED,
         )
         (output / "README.md").write_text(card)
 
