@@ -15,10 +15,11 @@ The cache never imports the model: `propagate` asks the decoder for the projecti
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 KV_STRATEGIES = ("propagate", "copy", "recompute")
 
@@ -33,7 +34,10 @@ class EarlyExitCache(DynamicCache):
     def __init__(self, config: PreTrainedConfig, kv_strategy: str = "propagate"):
         if kv_strategy not in KV_STRATEGIES:
             raise ValueError(f"Unknown `kv_strategy` {kv_strategy!r}; choose one of {list(KV_STRATEGIES)}.")
-        super().__init__(config=config)
+        # One plain layer per decoder layer. `DynamicCache(config=...)` would find the same by deep-copying the config
+        # (`get_text_config`), about a millisecond per `generate` call on a CPU.
+        super().__init__()
+        self.layers = [DynamicLayer() for _ in range(config.num_hidden_layers)]
         self.kv_strategy = kv_strategy
         self.num_layers = len(self.layers)
         # recompute only: per row and slot, the first layer index still to run (num_layers = complete), and the
@@ -42,6 +46,14 @@ class EarlyExitCache(DynamicCache):
         self.pending: torch.Tensor | None = None  # [batch, T, d_model]
         # Layers that may have waiting tokens, kept in Python so that asking costs no device sync.
         self.waiting_layers: set[int] = set()
+        self._derived: dict[str, Any] = {}
+
+    def derived(self, name: str, make: Callable[[], Any]) -> Any:
+        """What the model derives from its weights for this cache's decoding (`make()`), asked for on first use: the
+        weights do not change within one `generate` call, so it is looked up once per call, not at every step."""
+        if name not in self._derived:
+            self._derived[name] = make()
+        return self._derived[name]
 
     @property
     def is_compileable(self) -> bool:
@@ -91,14 +103,15 @@ class EarlyExitCache(DynamicCache):
         layers_run: torch.Tensor,
         slots: slice,
         exit_outputs: torch.Tensor,
-        project: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        project: Callable[[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]],
     ) -> None:
         """After a decoding step: fill the slots of the layers each row skipped. `layers_run` [batch] counts the
         layers each row ran (the depth: none skipped); `exit_outputs` [batch, q, d] holds the output of its last
-        layer for the rows that stopped early. `project(layer_idx, hidden)` gives that layer's K/V of a hidden state.
+        layer for the rows that stopped early. `project(first, hidden)` gives the K/V of hidden states in each layer
+        from `first` to the last.
 
-        Done once per step, not at each exit, so that at batch > 1 a skipped layer costs one projection (propagate)
-        or one copy per exit depth, whatever the number of rows and of layers they left at."""
+        Done once per step, not at each exit, so that a step costs one projection (propagate) or one copy per exit
+        depth and skipped layer, whatever the number of rows and of layers they left at."""
         depth = self.num_layers
         by_depth: dict[int, list[int]] = {}
         for row, ran in enumerate(layers_run.tolist()):  # one host sync per step
@@ -112,12 +125,17 @@ class EarlyExitCache(DynamicCache):
             return None if len(rows) == batch else torch.tensor(sorted(rows), device=device)
 
         if self.kv_strategy == "propagate":
-            skipping: list[int] = []  # the rows that skip layer_idx: those that ran at most layer_idx layers
-            for layer_idx in range(min(by_depth), depth):
-                skipping += by_depth.get(layer_idx, [])
-                rows = index(skipping)
-                states = exit_outputs if rows is None else exit_outputs[rows]
-                self.write(layer_idx, *project(layer_idx, states), rows, slots)
+            exited = sorted(row for group in by_depth.values() for row in group)
+            rows = index(exited)
+            first = min(by_depth)
+            key_values = project(first, exit_outputs if rows is None else exit_outputs[rows])  # layers first..
+            skipping: set[int] = set()  # the rows that skip layer_idx: those that ran at most layer_idx layers
+            for layer_idx, (key, value) in enumerate(key_values, start=first):
+                skipping.update(by_depth.get(layer_idx, []))
+                if len(skipping) < len(exited):  # the rows that exited deeper ran this layer themselves
+                    picked = torch.tensor([i for i, row in enumerate(exited) if row in skipping], device=device)
+                    key, value = key[picked], value[picked]
+                self.write(layer_idx, key, value, index(skipping), slots)
         elif self.kv_strategy == "copy":
             for ran, group in by_depth.items():
                 rows = index(group)

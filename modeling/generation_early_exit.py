@@ -150,9 +150,10 @@ def check_encoder_parts(parts: set[str], config: PreTrainedConfig) -> None:
 
 
 def new_cache(config: PreTrainedConfig, settings: EarlyExitSettings | None) -> EncoderDecoderCache:
-    """The decoder cache for a call: an `EarlyExitCache` with the call's KV strategy, and the cross-attention cache."""
+    """The decoder cache for a call: an `EarlyExitCache` with the call's KV strategy, and the cross-attention cache
+    (layers added as they are first written; no config, whose deep copy costs more than a decoding step here)."""
     strategy = settings.kv_strategy if settings is not None else EXIT_KNOBS["kv_strategy"]
-    return EncoderDecoderCache(EarlyExitCache(config, strategy), DynamicCache(config=config))
+    return EncoderDecoderCache(EarlyExitCache(config, strategy), DynamicCache())
 
 
 @dataclass

@@ -121,6 +121,12 @@ def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)
 
 
+def weights_version(tensors) -> tuple[tuple[int, int], ...]:
+    """Where each tensor lives and how often it was changed in place: a table made from them is stale once this
+    changes (an optimizer step, `load_state_dict`, `.to()`)."""
+    return tuple((tensor.data_ptr(), tensor._version) for tensor in tensors)
+
+
 def optional_layer_norm(enabled: bool, width: int) -> nn.Module:
     return nn.LayerNorm(width) if enabled else nn.Identity()
 
@@ -353,10 +359,13 @@ class OFAEncoderLayer(GradientCheckpointingLayer):
         self.drop_path = DropPath(drop_path_rate)
 
     def residual(self, hidden_states: torch.Tensor, block_output: torch.Tensor) -> torch.Tensor:
+        if not self.training:  # both are identities then; skipping the calls is worth it at decoding's tiny batches
+            return hidden_states + block_output
         return hidden_states + self.drop_path(self.dropout(block_output))
 
     def feed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        x = self.activation_dropout(self.activation(self.fc1(self.final_layer_norm(hidden_states))))
+        x = self.activation(self.fc1(self.final_layer_norm(hidden_states)))
+        x = self.activation_dropout(x) if self.training else x
         return self.residual(hidden_states, self.fc2(self.ffn_layer_norm(x)))
 
     def forward(
@@ -606,6 +615,8 @@ class OFAEncoder(nn.Module):
         image_buckets: torch.Tensor | None,
     ) -> torch.Tensor:
         """Absolute bias (pads already masked) + this layer's relative biases on the text and image blocks."""
+        if text_buckets is None and image_buckets is None:  # a decomposed encoder's image stream: nothing to add
+            return absolute
         bias = absolute.clone()
         if text_buckets is not None:
             bias[:, :, num_image:, num_image:] += self.token_rel_pos_table_list[layer_idx](text_buckets).permute(
@@ -772,7 +783,7 @@ class OFAEncoder(nn.Module):
                     False,
                     controllers["encoder_text"],
                     "encoder_text",
-                    ~padding[:, num_image:],
+                    ~padding[:, num_image:] if bool(padding.any()) else None,  # None: no pad to leave out
                 )
                 if text_length
                 else None,
@@ -811,6 +822,22 @@ class OFADecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
     exit_hidden_states: tuple[torch.FloatTensor, ...] | None = None
 
 
+@dataclass
+class DecoderPositionTable:
+    """The decoder's position terms for every position id 0..P-1 (P = max_position_embeddings + 2), so that a
+    decoding step of rows without a decoder attention mask slices them instead of recomputing them.
+
+    self_queries / self_keys / cross_queries: [heads, P, head_dim], the queries scaled. buckets: [P, P], the relative
+    bucket of (query, key). weights: what the table was computed from, (data_ptr, version) per tensor.
+    """
+
+    self_queries: torch.Tensor
+    self_keys: torch.Tensor
+    cross_queries: torch.Tensor
+    buckets: torch.Tensor
+    weights: tuple[tuple[int, int], ...]
+
+
 class OFADecoder(nn.Module):
     """Token embeddings -> causal layers with cross-attention -> LayerNorm; `output_projection` is the LM head."""
 
@@ -843,6 +870,9 @@ class OFADecoder(nn.Module):
         )
         self.layer_norm = nn.LayerNorm(d_model)
         self.output_projection = nn.Linear(d_model, config.vocab_size, bias=False)
+        # Tables derived from the weights, for decoding without grad; each checks the weights once per call.
+        self._position_table: DecoderPositionTable | None = None
+        self._folded_projections: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
         # Exit heads: modules between a layer's output and the shared final LayerNorm + output projection.
         self.exit_points = {layer: i for i, layer in enumerate(config.exit_points)}  # 1-based layer -> index
         self.exit_adapters = self.exit_transformer_layers = None
@@ -913,6 +943,50 @@ class OFADecoder(nn.Module):
         cross_bias = cross_bias.masked_fill(padding[:, None, None, :], torch.finfo(cross_bias.dtype).min)
         return self_absolute, buckets, cross_bias
 
+    def position_table(self) -> DecoderPositionTable:
+        """The `DecoderPositionTable` of the current weights (no grad): computed again only after they changed."""
+        tensors = (
+            self.embed_positions.weight,
+            *self.pos_ln.parameters(),
+            *self.self_pos_q_linear.parameters(),
+            *self.self_pos_k_linear.parameters(),
+            *self.cross_pos_q_linear.parameters(),
+        )
+        weights = weights_version(tensors)
+        if self._position_table is None or self._position_table.weights != weights:
+            positions = self.pos_ln(self.embed_positions.weight)[None]  # [1, P, d]
+            ids = torch.arange(positions.shape[1], device=positions.device)
+            self._position_table = DecoderPositionTable(
+                self_queries=split_heads(self.self_pos_q_linear(positions), self.num_heads)[0] * self.pos_scaling,
+                self_keys=split_heads(self.self_pos_k_linear(positions), self.num_heads)[0],
+                cross_queries=split_heads(self.cross_pos_q_linear(positions), self.num_heads)[0] * self.pos_scaling,
+                buckets=token_relative_buckets(
+                    ids[:, None] - ids[None, :], self.config.token_bucket_size, self.config.max_position_embeddings
+                ),
+                weights=weights,
+            )
+        return self._position_table
+
+    def unmasked_attention_biases(
+        self, past: int, length: int, encoder_outputs: OFAEncoderOutput, table: DecoderPositionTable
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`attention_biases` of new tokens at positions past..length-1 of rows without a decoder attention mask
+        (position ids 0, 1, ...), sliced from the `position_table`: the same three tensors, with a batch of 1 in the
+        first two."""
+        self_absolute = torch.matmul(table.self_queries[:, past:length], table.self_keys[:, :length].transpose(-1, -2))[
+            None
+        ]  # [1, heads, q, T]
+        if length - past > 1:  # more than the newest token: the causal mask
+            keys = torch.arange(length, device=self_absolute.device)
+            masked = keys[None, :] > torch.arange(past, length, device=keys.device)[:, None]  # [q, T]
+            self_absolute = self_absolute.masked_fill(masked, torch.finfo(self_absolute.dtype).min)
+        cross_bias = torch.matmul(
+            table.cross_queries[None, :, past:length], self.cross_position_keys(encoder_outputs).transpose(-1, -2)
+        )  # [batch, heads, q, S]
+        padding = encoder_outputs.padding_mask[:, None, None, :]
+        cross_bias = cross_bias.masked_fill(padding, torch.finfo(cross_bias.dtype).min)
+        return self_absolute, table.buckets[None, past:length, :length], cross_bias
+
     def layer_self_bias(self, layer_idx: int, self_absolute: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
         """A layer's self-attention bias: the masked absolute bias plus its relative bias, [R or 1, heads, Q, T]."""
         return self_absolute + self.token_rel_pos_table_list[layer_idx](buckets).permute(0, 3, 1, 2)
@@ -955,9 +1029,38 @@ class OFADecoder(nn.Module):
             rows = None
         return self.exit_transformer_layers[index](hidden_states, self_bias, host_key_values, cross_bias, rows)
 
-    def skipped_key_values(self, layer_idx: int, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_idx`'s self-attention K/V of an exited hidden state (`kv_strategy="propagate"`)."""
-        return self.layers[layer_idx].self_key_values(hidden_states)
+    def folded_key_value_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's self-attention k and v projections with its pre-attention LayerNorm's affine folded in,
+        stacked, per layer k then v: weight [layers * 2 * d, d], bias [layers * 2 * d]. For n the normalised state,
+        k = W_k (g * n + b) + c = (W_k g) n + (W_k b + c), so `propagate` projects an exited state into every layer
+        it skipped with one LayerNorm and one matmul. Folded again only after the weights changed (no grad)."""
+        projections = [
+            (projection, layer.self_attn_layer_norm)
+            for layer in self.layers
+            for projection in (layer.self_attn.k_proj, layer.self_attn.v_proj)
+        ]
+        weights = weights_version(p for pair in projections for module in pair for p in (module.weight, module.bias))
+        if self._folded_projections is None or self._folded_projections[0] != weights:
+            weight = torch.cat([projection.weight * norm.weight for projection, norm in projections])
+            bias = torch.cat([projection.weight @ norm.bias + projection.bias for projection, norm in projections])
+            self._folded_projections = (weights, weight, bias)
+        return self._folded_projections[1:]
+
+    def skipped_key_values(
+        self, first: int, hidden_states: torch.Tensor, folded: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Self-attention K/V [rows, heads, q, head_dim] of exited states [rows, q, d] in each layer from 0-based
+        `first` to the last (`kv_strategy="propagate"`): with `folded` (`folded_key_value_projections`), in one
+        projection; without, layer by layer."""
+        if folded is None:
+            return [layer.self_key_values(hidden_states) for layer in self.layers[first:]]
+        width, norm = 2 * self.config.d_model, self.layers[first].self_attn_layer_norm
+        normalized = F.layer_norm(hidden_states, norm.normalized_shape, eps=norm.eps)
+        projected = F.linear(normalized, folded[0][first * width :], folded[1][first * width :])
+        return [
+            (split_heads(key, self.num_heads), split_heads(value, self.num_heads))
+            for key, value in (layer.chunk(2, dim=-1) for layer in projected.split(width, dim=-1))
+        ]
 
     def catch_up(
         self,
@@ -1017,7 +1120,7 @@ class OFADecoder(nn.Module):
         if self_cache is not None and not isinstance(self_cache, EarlyExitCache):
             raise ValueError(
                 "The decoder's self-attention cache must be an EarlyExitCache (`EncoderDecoderCache(EarlyExitCache("
-                f"config), DynamicCache(config=config))`), got {type(self_cache).__name__}."
+                f"config), DynamicCache())`), got {type(self_cache).__name__}."
             )
         past = self_cache.get_seq_length() if self_cache is not None else 0
         batch, length = input_ids.shape[0], past + input_ids.shape[1]
@@ -1044,10 +1147,18 @@ class OFADecoder(nn.Module):
         hidden_states = self.dropout(self.layernorm_embedding(hidden_states))  # [batch, q, d]
         position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, past + q]
         positions = self.pos_ln(self.embed_positions(position_ids))
-        query_slots = torch.arange(past, length, device=input_ids.device)[None]
-        self_absolute, buckets, cross_bias = self.attention_biases(
-            positions, position_ids, query_slots, attention_mask, encoder_outputs
-        )  # [batch or 1, heads, q, past + q], [batch or 1, q, past + q], [batch, heads, q, S]
+        if attention_mask is None and not torch.is_grad_enabled() and length <= self.embed_positions.num_embeddings:
+            table = (
+                self_cache.derived("position_table", self.position_table)
+                if self_cache is not None
+                else self.position_table()
+            )
+            self_absolute, buckets, cross_bias = self.unmasked_attention_biases(past, length, encoder_outputs, table)
+        else:
+            query_slots = torch.arange(past, length, device=input_ids.device)[None]
+            self_absolute, buckets, cross_bias = self.attention_biases(
+                positions, position_ids, query_slots, attention_mask, encoder_outputs
+            )  # [batch or 1, heads, q, past + q], [batch or 1, q, past + q], [batch, heads, q, S]
         slots = self_cache.open_slots(hidden_states, self.num_heads) if self_cache is not None else None
 
         layers = layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training)
@@ -1137,7 +1248,11 @@ class OFADecoder(nn.Module):
         if final is not None:  # the rows still running at the end, or the last ones to stop
             final[active.index] = hidden_states
         if self_cache is not None and exit_outputs is not None:  # the skipped layers' slots, once for the step
-            self_cache.fill_skipped(exit_layers, slots, exit_outputs, self.skipped_key_values)
+            project = self.skipped_key_values
+            if self_cache.kv_strategy == "propagate" and not torch.is_grad_enabled():
+                folded = self_cache.derived("folded_key_value_projections", self.folded_key_value_projections)
+                project = functools.partial(project, folded=folded)
+            self_cache.fill_skipped(exit_layers, slots, exit_outputs, project)
         if exit_settings is not None:
             exit_settings.record.decoder_steps.append(exit_layers)
 
@@ -1248,6 +1363,17 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
         if any(hasattr(self.generation_config, name) for name in EXIT_KNOBS):
             self.generation_config._from_model_config = False
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def prepare_inputs_for_generation(
+        self, input_ids: torch.LongTensor, next_sequence_length: int | None = None, **kwargs
+    ) -> dict:
+        """One decoding step's `forward` inputs: the newest decoder tokens and what `generate` carries (cache, encoder
+        outputs and mask, exit settings, ...). The stock method gives the same here, but for a remote-code model it
+        also inspects `forward`'s signature at every step, which costs a small model a twentieth of the step."""
+        decoder_input_ids = input_ids if next_sequence_length is None else input_ids[:, -next_sequence_length:]
+        # The encoder ran before the first step: its outputs replace the image, whatever the iteration.
+        skipped = {"labels", "is_first_iteration", "pixel_values"}
+        return {"decoder_input_ids": decoder_input_ids, **{k: v for k, v in kwargs.items() if k not in skipped}}
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)

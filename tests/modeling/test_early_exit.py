@@ -202,24 +202,38 @@ def test_exit_layers_count_the_layer_calls_that_ran(model, strategy):
     assert sum(encoder_calls) == int(out.encoder_exit_layers[:, 0].sum())
 
 
-def test_propagate_projects_each_skipped_layer_once_per_step_whatever_the_rows(model):
-    """Rows leaving at layers 1, 2 and 3 skip layers {2, 3, 4}, {3, 4} and {4}: one projection per skipped layer
-    (3 a step), not one per row and layer (6), so a larger batch adds no projection calls."""
-    projected: list[int] = []
+def test_propagate_projects_once_per_step_whatever_the_rows(model):
+    """Rows leaving at layers 1, 2 and 3 skip layers {2, 3, 4}, {3, 4} and {4}: one projection call a step, from the
+    first skipped layer, not one per row and layer, so a larger batch adds no projection calls."""
+    projected: list[tuple[int, int]] = []
     original = model.decoder.skipped_key_values
 
-    def counting(layer_idx, hidden_states):
-        projected.append(layer_idx)
-        return original(layer_idx, hidden_states)
+    def counting(first, hidden_states, folded=None):
+        key_values = original(first, hidden_states, folded)
+        projected.append((first, len(key_values)))
+        return key_values
 
     model.decoder.skipped_key_values = counting
     try:
         out = generate(model, batch_of(4), "greedy", exit_controller=mixed_exits(), kv_strategy="propagate")
     finally:
         del model.decoder.skipped_key_values
-    per_step = [sorted({layer for layer in range(DEPTH) if any(layer >= ran for ran in step)})
-                for step in out.exit_layers.T.tolist()]  # fmt: skip
-    assert projected == [layer for step in per_step for layer in step]
+    firsts = [min(step) for step in out.exit_layers.T.tolist() if min(step) < DEPTH]
+    assert projected == [(first, DEPTH - first) for first in firsts]
+
+
+def test_propagate_folds_each_layers_layer_norm_into_its_projections(model):
+    states = torch.randn(3, 2, model.config.d_model, generator=torch.Generator().manual_seed(0))
+    norm = model.decoder.layers[2].self_attn_layer_norm
+    with torch.no_grad():
+        norm.weight.mul_(2.0), norm.bias.add_(0.5)  # an affine that is not the identity
+        folded = model.decoder.skipped_key_values(1, states, model.decoder.folded_key_value_projections())
+        expected = model.decoder.skipped_key_values(1, states)
+        norm.weight.div_(2.0), norm.bias.sub_(0.5)
+    assert len(folded) == len(expected) == DEPTH - 1
+    for (key, value), (expected_key, expected_value) in zip(folded, expected, strict=True):
+        torch.testing.assert_close(key, expected_key, rtol=0, atol=1e-5)
+        torch.testing.assert_close(value, expected_value, rtol=0, atol=1e-5)
 
 
 def test_min_exit_layer_holds_back_exits(model):

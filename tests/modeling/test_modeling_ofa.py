@@ -170,6 +170,40 @@ def test_cache_step_equals_full_prefix_logits():
     torch.testing.assert_close(torch.cat([first.logits, rest.logits], dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_decoding_from_the_position_table_equals_the_per_step_biases():
+    """Without a decoder mask and grad, decoding slices a table of the position terms; it must equal computing them
+    per step (a mask of ones, or grad), in the first step, a cached step and after the weights change."""
+    model = tiny_model()
+    inputs = tiny_inputs()
+    decoder_input_ids = torch.tensor([[0, 5, 9, 11, 4], [0, 7, 7, 3, 8]])
+    ones = torch.ones_like(decoder_input_ids)
+
+    def steps(grad: bool, mask: torch.Tensor | None) -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            first = model(
+                **inputs,
+                decoder_input_ids=decoder_input_ids[:, :3],
+                use_cache=True,
+                decoder_attention_mask=None if mask is None else mask[:, :3],
+            )
+            rest = model(
+                **inputs,
+                decoder_input_ids=decoder_input_ids[:, 3:],
+                use_cache=True,
+                past_key_values=first.past_key_values,
+                decoder_attention_mask=mask,
+            )
+        return torch.cat([first.logits, rest.logits], dim=1).detach()  # fmt: skip
+
+    for change in (None, 0.25):
+        if change is not None:
+            with torch.no_grad():
+                model.decoder.self_pos_k_linear.weight.add_(change)  # the table must follow the new weights
+        table = steps(False, None)
+        torch.testing.assert_close(table, steps(False, ones), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(table, steps(True, None), atol=1e-5, rtol=1e-5)
+
+
 def test_left_and_right_padding_give_the_unpadded_result():
     model = tiny_model()
     inputs = tiny_inputs(batch=1, pad_last=0)
