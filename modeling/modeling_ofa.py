@@ -1369,7 +1369,7 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
     ) -> dict:
         """One decoding step's `forward` inputs: the newest decoder tokens and what `generate` carries (cache, encoder
         outputs and mask, exit settings, ...). The stock method gives the same here, but for a remote-code model it
-        also inspects `forward`'s signature at every step, which costs a small model a twentieth of the step."""
+        also inspects `forward`'s signature at every step (about 2% of a decoding step of the embedded model)."""
         decoder_input_ids = input_ids if next_sequence_length is None else input_ids[:, -next_sequence_length:]
         # The encoder ran before the first step: its outputs replace the image, whatever the iteration.
         skipped = {"labels", "is_first_iteration", "pixel_values"}
