@@ -81,18 +81,26 @@ EMBEDDED_MODEL_DIR = Path(__file__).parent / "embedded_model"
 DEMO_SAMPLES = {"vqa": 200, "entailment": 200, "caption": 100}
 
 
+# The knobs that make a part exit; the others (policy, schedule, KV strategy, ...) only say how.
+EXIT_THRESHOLDS = (
+    "exit_threshold",
+    "encoder_exit_threshold",
+    "encoder_image_exit_threshold",
+    "encoder_text_exit_threshold",
+)
+
+
 def exit_knobs(args: argparse.Namespace, model) -> dict:
-    """The exit knobs of a run: those given on the command line, else the model's saved generation defaults
-    (what calibration wrote); `--full` means none."""
+    """The exit knobs of a run, knob by knob as `generate` resolves them: given on the command line, else the
+    model's saved generation default (what calibration wrote), so `--kv-strategy copy` alone keeps the calibrated
+    thresholds; `--full` means none."""
     from .modeling.generation_early_exit import EXIT_KNOBS
 
     if getattr(args, "full", False):
         return {}
-    given = {name: getattr(args, name) for name in EXIT_KNOBS if getattr(args, name, None) is not None}
-    if given:
-        return given
     saved = {name: getattr(model.generation_config, name, default) for name, default in EXIT_KNOBS.items()}
-    return {name: value for name, value in saved.items() if value != EXIT_KNOBS[name]}
+    given = {name: getattr(args, name) for name in EXIT_KNOBS if getattr(args, name, None) is not None}
+    return {name: value for name, value in {**saved, **given}.items() if value != EXIT_KNOBS[name] or name in given}
 
 
 def task_inputs(name: str, processor, split: str, samples: int, batch_size: int):
@@ -260,9 +268,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError("Give a model folder (task benchmark) or --forced-exit / --training-step, not both.")
         model, processor = load_model_and_processor(args.model_dir)
         knobs = exit_knobs(args, model)
-        if not knobs:
+        if all(knobs.get(name) is None for name in EXIT_THRESHOLDS):
             raise ValueError(
-                "No exit setting: give exit knobs, or calibrate the model (`hf-earlyexit calibrate --write`)."
+                "No exit setting: give an exit threshold, or calibrate the model (`hf-earlyexit calibrate --write`)."
             )
         inputs = task_inputs(args.task, processor, "test", args.samples, args.batch_size)
         report = task_benchmark(model, processor, inputs, knobs, args.repeats, meteor=args.meteor)

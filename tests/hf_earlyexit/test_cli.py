@@ -166,12 +166,16 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     assert report["wall_clock_time_reduction"] == pytest.approx(1 - ratio, abs=1e-4)
     assert set(report["per_part_seconds"]) >= {"decoder_layer_per_token", "encoder_image_layer_per_sample"}
 
+    assert main([*argv, "--kv-strategy", "copy", "--json"]) == 0  # one knob given: the calibrated ones stay
+    assert json.loads(capsys.readouterr().out)["early_exit"]["settings"] == {**saved, "kv_strategy": "copy"}
+
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["eval", "{t}/nowhere", "--task", "vqa"], "not a model folder"),
         (["bench", "{m}", "--task", "vqa", "--samples", "2"], "No exit setting"),
+        (["bench", "{m}", "--task", "vqa", "--samples", "2", "--kv-strategy", "copy"], "No exit setting"),
         (["eval", "{m}", "--task", "vqa", "--samples", "0"], "--samples must be positive"),
         (["calibrate", "{m}", "--tasks", "vqa", "--encoder-thresholds", "high"], "comma-separated numbers"),
         (["calibrate", "{m}", "--tasks", "ocr"], "Unknown task 'ocr'"),
