@@ -973,9 +973,8 @@ class OFADecoder(nn.Module):
         """`attention_biases` of new tokens at positions past..length-1 of rows without a decoder attention mask
         (position ids 0, 1, ...), sliced from the `position_table`: the same three tensors, with a batch of 1 in the
         first two."""
-        self_absolute = torch.matmul(table.self_queries[:, past:length], table.self_keys[:, :length].transpose(-1, -2))[
-            None
-        ]  # [1, heads, q, T]
+        self_keys = table.self_keys[:, :length].transpose(-1, -2)
+        self_absolute = torch.matmul(table.self_queries[:, past:length], self_keys)[None]  # [1, heads, q, T]
         if length - past > 1:  # more than the newest token: the causal mask
             keys = torch.arange(length, device=self_absolute.device)
             masked = keys[None, :] > torch.arange(past, length, device=keys.device)[:, None]  # [q, T]
@@ -1146,8 +1145,13 @@ class OFADecoder(nn.Module):
         hidden_states = self.embed_tokens(input_ids) * self.embed_scale
         hidden_states = self.dropout(self.layernorm_embedding(hidden_states))  # [batch, q, d]
         position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, past + q]
-        positions = self.pos_ln(self.embed_positions(position_ids))
-        if attention_mask is None and not torch.is_grad_enabled() and length <= self.embed_positions.num_embeddings:
+        sliced = (
+            attention_mask is None and not torch.is_grad_enabled() and length <= self.embed_positions.num_embeddings
+        )
+        positions = None  # LayerNorm'd position embeddings [batch or 1, past + q, d]: per-step biases and catch-up
+        if not sliced or (self_cache is not None and self_cache.kv_strategy == "recompute"):
+            positions = self.pos_ln(self.embed_positions(position_ids))
+        if sliced:  # no decoder mask: positions 0, 1, ... whose terms a table holds
             table = (
                 self_cache.derived("position_table", self.position_table)
                 if self_cache is not None
