@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 from .data import CAPTION_PROMPT
+from .modeling.early_exit_cache import KV_STRATEGIES
+from .modeling.exit_controllers import POLICY_NAMES
+from .modeling.generation_early_exit import EXIT_KNOBS, EarlyExitSettings
 from .publishing import PublishError, check_model_dir, publish
 
 
@@ -81,21 +84,10 @@ EMBEDDED_MODEL_DIR = Path(__file__).parent / "embedded_model"
 DEMO_SAMPLES = {"vqa": 200, "entailment": 200, "caption": 100}
 
 
-# The knobs that make a part exit; the others (policy, schedule, KV strategy, ...) only say how.
-EXIT_THRESHOLDS = (
-    "exit_threshold",
-    "encoder_exit_threshold",
-    "encoder_image_exit_threshold",
-    "encoder_text_exit_threshold",
-)
-
-
 def exit_knobs(args: argparse.Namespace, model) -> dict:
     """The exit knobs of a run, knob by knob as `generate` resolves them: given on the command line, else the
     model's saved generation default (what calibration wrote), so `--kv-strategy copy` alone keeps the calibrated
     thresholds; `--full` means none."""
-    from .modeling.generation_early_exit import EXIT_KNOBS
-
     if getattr(args, "full", False):
         return {}
     saved = {name: getattr(model.generation_config, name, default) for name, default in EXIT_KNOBS.items()}
@@ -268,7 +260,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError("Give a model folder (task benchmark) or --forced-exit / --training-step, not both.")
         model, processor = load_model_and_processor(args.model_dir)
         knobs = exit_knobs(args, model)
-        if all(knobs.get(name) is None for name in EXIT_THRESHOLDS):
+        if not EarlyExitSettings.from_knobs(model.config, **knobs).exits:
             raise ValueError(
                 "No exit setting: give an exit threshold, or calibrate the model (`hf-earlyexit calibrate --write`)."
             )
@@ -312,13 +304,13 @@ def parse_floats(text: str) -> list[float]:
 
 
 def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
-    """Exit knobs of `generate`; without any, a run uses the model's saved (calibrated) defaults."""
+    """Exit knobs of `generate`; each one not given comes from the model's saved (calibrated) defaults."""
     parser.add_argument("--exit-threshold", dest="exit_threshold", type=float)
-    parser.add_argument("--exit-policy", dest="exit_policy", choices=["similarity", "confidence", "patience"])
+    parser.add_argument("--exit-policy", dest="exit_policy", choices=POLICY_NAMES)
     parser.add_argument("--encoder-image-exit-threshold", dest="encoder_image_exit_threshold", type=float)
     parser.add_argument("--encoder-text-exit-threshold", dest="encoder_text_exit_threshold", type=float)
     parser.add_argument("--encoder-exit-threshold", dest="encoder_exit_threshold", type=float)
-    parser.add_argument("--kv-strategy", dest="kv_strategy", choices=["propagate", "copy", "recompute"])
+    parser.add_argument("--kv-strategy", dest="kv_strategy", choices=KV_STRATEGIES)
     parser.add_argument("--full", action="store_true", help="the full model (no exit)")
 
 

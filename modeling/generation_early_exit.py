@@ -96,6 +96,11 @@ class EarlyExitSettings:
             **controllers, kv_strategy=value["kv_strategy"], min_exit_layer=value["min_exit_layer"], max_steps=max_steps
         )
 
+    @property
+    def exits(self) -> bool:
+        """Whether any part has a controller, i.e. may exit early."""
+        return any(getattr(self, part) is not None for part in EXIT_PARTS)
+
     def start(self) -> None:
         """Begin a new generation: an empty record, and controllers that forget earlier calls."""
         self.record = ExitRecord()
@@ -192,10 +197,11 @@ class EarlyExitGenerationMixin(GenerationMixin):
             max_steps = kwargs.get("max_new_tokens") or source.max_new_tokens or source.max_length - 1
             settings = EarlyExitSettings.from_knobs(self.config, max_steps=max_steps, **{**defaults, **knobs})
         settings.start()
-        exits = any(getattr(settings, part) is not None for part in EXIT_PARTS)
-        if exits and kwargs.get("use_cache") is False:
+        if settings.exits and kwargs.get("use_cache") is False:
             raise ValueError("Early exit in `generate` needs `use_cache=True` (skipped layers live in the cache).")
-        if exits:  # a config's `use_cache=False` is a training setting (the Trainer writes it); exits need the cache
+        if (
+            settings.exits
+        ):  # a config's `use_cache=False` is a training setting (the Trainer writes it); exits need the cache
             kwargs["use_cache"] = True
 
         output = super().generate(inputs, generation_config, exit_settings=settings, **kwargs)

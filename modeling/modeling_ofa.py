@@ -15,7 +15,9 @@ Two deliberate differences from the official port, both invisible on its inputs:
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -119,12 +121,6 @@ class DropPath(nn.Module):
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[batch, length, d_model] -> [batch, heads, length, head_dim]."""
     return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)
-
-
-def weights_version(tensors) -> tuple[tuple[int, int], ...]:
-    """Where each tensor lives and how often it was changed in place: a table made from them is stale once this
-    changes (an optimizer step, `load_state_dict`, `.to()`)."""
-    return tuple((tensor.data_ptr(), tensor._version) for tensor in tensors)
 
 
 def optional_layer_norm(enabled: bool, width: int) -> nn.Module:
@@ -828,14 +824,13 @@ class DecoderPositionTable:
     decoding step of rows without a decoder attention mask slices them instead of recomputing them.
 
     self_queries / self_keys / cross_queries: [heads, P, head_dim], the queries scaled. buckets: [P, P], the relative
-    bucket of (query, key). weights: what the table was computed from, (data_ptr, version) per tensor.
+    bucket of (query, key).
     """
 
     self_queries: torch.Tensor
     self_keys: torch.Tensor
     cross_queries: torch.Tensor
     buckets: torch.Tensor
-    weights: tuple[tuple[int, int], ...]
 
 
 class OFADecoder(nn.Module):
@@ -870,9 +865,8 @@ class OFADecoder(nn.Module):
         )
         self.layer_norm = nn.LayerNorm(d_model)
         self.output_projection = nn.Linear(d_model, config.vocab_size, bias=False)
-        # Tables derived from the weights, for decoding without grad; each checks the weights once per call.
-        self._position_table: DecoderPositionTable | None = None
-        self._folded_projections: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
+        # Tables derived from the weights for decoding without grad: name -> (the weights' versions, table).
+        self._weight_tables: dict[str, tuple[tuple[tuple[int, int], ...], Any]] = {}
         # Exit heads: modules between a layer's output and the shared final LayerNorm + output projection.
         self.exit_points = {layer: i for i, layer in enumerate(config.exit_points)}  # 1-based layer -> index
         self.exit_adapters = self.exit_transformer_layers = None
@@ -943,29 +937,33 @@ class OFADecoder(nn.Module):
         cross_bias = cross_bias.masked_fill(padding[:, None, None, :], torch.finfo(cross_bias.dtype).min)
         return self_absolute, buckets, cross_bias
 
+    def weight_table(self, name: str, tensors, make: Callable[[], Any]) -> Any:
+        """`make()`, kept under `name` until one of `tensors` moves or is changed in place (an optimizer step,
+        `load_state_dict`, `.to()`); checked once per `generate` call through the cache's `derived`."""
+        weights = tuple((tensor.data_ptr(), tensor._version) for tensor in tensors)
+        kept = self._weight_tables.get(name)
+        if kept is None or kept[0] != weights:
+            kept = self._weight_tables[name] = (weights, make())
+        return kept[1]
+
     def position_table(self) -> DecoderPositionTable:
-        """The `DecoderPositionTable` of the current weights (no grad): computed again only after they changed."""
-        tensors = (
-            self.embed_positions.weight,
-            *self.pos_ln.parameters(),
-            *self.self_pos_q_linear.parameters(),
-            *self.self_pos_k_linear.parameters(),
-            *self.cross_pos_q_linear.parameters(),
-        )
-        weights = weights_version(tensors)
-        if self._position_table is None or self._position_table.weights != weights:
+        """The `DecoderPositionTable` of the current weights (no grad)."""
+
+        def make() -> DecoderPositionTable:
             positions = self.pos_ln(self.embed_positions.weight)[None]  # [1, P, d]
             ids = torch.arange(positions.shape[1], device=positions.device)
-            self._position_table = DecoderPositionTable(
+            return DecoderPositionTable(
                 self_queries=split_heads(self.self_pos_q_linear(positions), self.num_heads)[0] * self.pos_scaling,
                 self_keys=split_heads(self.self_pos_k_linear(positions), self.num_heads)[0],
                 cross_queries=split_heads(self.cross_pos_q_linear(positions), self.num_heads)[0] * self.pos_scaling,
                 buckets=token_relative_buckets(
                     ids[:, None] - ids[None, :], self.config.token_bucket_size, self.config.max_position_embeddings
                 ),
-                weights=weights,
             )
-        return self._position_table
+
+        modules = (self.embed_positions, self.pos_ln, self.self_pos_q_linear, self.self_pos_k_linear)
+        tensors = [p for module in (*modules, self.cross_pos_q_linear) for p in module.parameters()]
+        return self.weight_table("position_table", tensors, make)
 
     def unmasked_attention_biases(
         self, past: int, length: int, encoder_outputs: OFAEncoderOutput, table: DecoderPositionTable
@@ -1032,18 +1030,20 @@ class OFADecoder(nn.Module):
         """Every layer's self-attention k and v projections with its pre-attention LayerNorm's affine folded in,
         stacked, per layer k then v: weight [layers * 2 * d, d], bias [layers * 2 * d]. For n the normalised state,
         k = W_k (g * n + b) + c = (W_k g) n + (W_k b + c), so `propagate` projects an exited state into every layer
-        it skipped with one LayerNorm and one matmul. Folded again only after the weights changed (no grad)."""
+        it skipped with one LayerNorm and one matmul (no grad)."""
         projections = [
             (projection, layer.self_attn_layer_norm)
             for layer in self.layers
             for projection in (layer.self_attn.k_proj, layer.self_attn.v_proj)
         ]
-        weights = weights_version(p for pair in projections for module in pair for p in (module.weight, module.bias))
-        if self._folded_projections is None or self._folded_projections[0] != weights:
+
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
             weight = torch.cat([projection.weight * norm.weight for projection, norm in projections])
             bias = torch.cat([projection.weight @ norm.bias + projection.bias for projection, norm in projections])
-            self._folded_projections = (weights, weight, bias)
-        return self._folded_projections[1:]
+            return weight, bias
+
+        tensors = [p for pair in projections for module in pair for p in (module.weight, module.bias)]
+        return self.weight_table("folded_key_value_projections", tensors, make)
 
     def skipped_key_values(
         self, first: int, hidden_states: torch.Tensor, folded: tuple[torch.Tensor, torch.Tensor] | None = None
