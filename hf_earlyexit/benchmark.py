@@ -8,11 +8,11 @@ machinery delivers (1.0 = all of it). The layer-count ratio K / L is reported be
 because the embeddings, the final LayerNorm and the output projection (59k words) run whatever the depth.
 
 `task_benchmark` is the proof on a trained model: the full model and the early-exit model side by side on the same
-test inputs, in one process, interleaved and repeated: quality, expected time reduction (layers run, weighted by
-each part's cost per layer, measured on this machine by `measure_part_costs`, and by FLOPs as MuE counts), the
-wall-clock ratio and per-part times. `measure_part_costs` times each part at full depth and forced to exit after
-its first layer, so the difference is what its other layers cost and the rest is what runs at any depth (the
-image stem, embeddings, output projection and the `generate` loop).
+test inputs, in one process, paired batch by batch and repeated (`paired_seconds`): quality, expected time reduction
+(layers run, weighted by each part's cost per layer, measured on this machine by `measure_part_costs`, and by FLOPs
+as MuE counts), the wall-clock ratio and per-part times. `measure_part_costs` times each part at full depth and
+forced to exit after its first layer, so the difference is what its other layers cost and the rest is what runs at
+any depth (the image stem, embeddings, output projection and the `generate` loop).
 
 `training_step_benchmark` times one training step (forward + backward) of the same model and batch under each exit
 loss, interleaved, to show what training the exits costs against plain fine-tuning.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .evaluation import FULL_MODEL, TaskInputs, run_task, score
+from .evaluation import FULL_MODEL, TaskInputs, TaskRun, run_batch, score
 from .measures import PartCosts, expected_time_reduction
 from .modeling.configuration_ofa import OFAEarlyExitConfig
 from .modeling.early_exit_cache import KV_STRATEGIES
@@ -64,19 +64,8 @@ def random_inputs(config: OFAEarlyExitConfig, batch: int, image_size: int, devic
 
 
 def median_seconds(functions: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
-    """Median wall-clock of each function, after one warm-up each, interleaved so drift hits all alike."""
-    times: dict[str, list[float]] = {name: [] for name in functions}
-    for round_ in range(repeats + 1):
-        for name, function in functions.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            function()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if round_:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+    """Median wall-clock of each function: `paired_seconds` with one batch."""
+    return paired_seconds({name: lambda _, f=f: f() for name, f in functions.items()}, 1, repeats, device)
 
 
 @torch.no_grad()
@@ -234,23 +223,20 @@ def measure_part_costs(model, inputs: TaskInputs, repeats: int = 3) -> PartCosts
 
     def encode(shallow: str | None = None):
         settings = EarlyExitSettings(**({shallow: first_layer} if shallow else {}))
-        return lambda: [encoder(**batch, exit_settings=settings) for batch in inputs.batches]
+        return lambda index: encoder(**inputs.batches[index], exit_settings=settings)
 
     encoder_outputs = [encoder(**batch) for batch in inputs.batches]
     tokens = inputs.task.max_new_tokens
 
     def decode(knobs: dict):
-        return lambda: [
-            model.generate(
-                encoder_outputs=outputs, attention_mask=batch["attention_mask"], **{**FULL_MODEL, **knobs},
-                max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1,
-            )
-            for batch, outputs in zip(inputs.batches, encoder_outputs, strict=True)
-        ]  # fmt: skip
+        return lambda index: model.generate(
+            encoder_outputs=encoder_outputs[index], attention_mask=inputs.batches[index]["attention_mask"],
+            **{**FULL_MODEL, **knobs}, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1,
+        )  # fmt: skip
 
     functions = {"encoder": encode(), **{part: encode(part) for part in parts}}
     functions |= {"decoder": decode({}), "decoder_shallow": decode({"exit_controller": first_layer})}
-    seconds = median_seconds(functions, repeats, device)
+    seconds = paired_seconds(functions, len(inputs.batches), repeats, device)
     samples, generated = inputs.samples, inputs.samples * tokens
     per_layer = {part: max(0.0, seconds["encoder"] - seconds[part]) / (encoder_layers - 1) / samples for part in parts}
     decoder = max(0.0, seconds["decoder"] - seconds["decoder_shallow"]) / (decoder_layers - 1) / generated
@@ -271,19 +257,47 @@ def flop_costs(model, inputs: TaskInputs) -> PartCosts:
     return PartCosts.from_config(model.config, image_tokens, first["input_ids"].shape[1], inputs.task.max_new_tokens)
 
 
-def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: int = 3, meteor: bool = False) -> dict:
-    """Full model vs `knobs` on the same inputs: quality, expected time reduction, wall clock, per-part times.
-    Returns the JSON object `hf-earlyexit bench --json` prints."""
-    config, runs = model.config, {}
+def paired_seconds(
+    functions: dict[str, Callable[[int], object]], batches: int, repeats: int, device: torch.device
+) -> dict[str, float]:
+    """Seconds of each function over batches 0..batches-1: per batch, every function back to back, `repeats` rounds
+    after a warm-up round, the order reversed in every other round; the sum over batches of each batch's median.
+    Pairing at the batch, milliseconds apart, keeps a shared machine's drift out of the ratios: on ours, whole-split
+    runs minutes apart moved by up to 20%."""
+    if repeats < 1:
+        raise ValueError(f"`repeats` must be positive, got {repeats}.")
+    seconds = dict.fromkeys(functions, 0.0)
+    for index in range(batches):
+        times: dict[str, list[float]] = {name: [] for name in functions}
+        for round_ in range(repeats + 1):
+            for name in list(functions) if round_ % 2 else reversed(functions):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                functions[name](index)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times[name].append(time.perf_counter() - start)
+        for name, values in times.items():
+            seconds[name] += statistics.median(values[1:])  # the first round warms up
+    return seconds
 
-    def timed(name: str, settings: dict):
-        def run() -> None:  # every repeat decodes the same; the last run's outputs are scored
-            runs[name] = run_task(model, processor, inputs, settings)
+
+def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: int = 3, meteor: bool = False) -> dict:
+    """Full model vs `knobs` on the same inputs (`paired_seconds`): quality, expected time reduction, wall clock,
+    per-part times. Returns the JSON object `hf-earlyexit bench --json` prints."""
+    config, settings = model.config, {"full": {}, "early_exit": knobs}
+    batch_runs: dict[str, dict[int, TaskRun]] = {name: {} for name in settings}
+
+    def generate(name: str) -> Callable[[int], None]:
+        def run(index: int) -> None:  # every round decodes the same; the last one's outputs are scored
+            batch_runs[name][index] = run_batch(model, processor, inputs.task, inputs.batches[index], settings[name])
 
         return run
 
-    functions = {"full": timed("full", {}), "early_exit": timed("early_exit", knobs)}
-    seconds = median_seconds(functions, repeats, model.device)
+    functions = {name: generate(name) for name in settings}
+    seconds = paired_seconds(functions, len(inputs.batches), repeats, model.device)
+    runs = {name: TaskRun.concatenate([by_index[i] for i in sorted(by_index)]) for name, by_index in batch_runs.items()}
     costs, flops = measure_part_costs(model, inputs, repeats), flop_costs(model, inputs)
 
     def reduction(run, part_costs: PartCosts) -> float:
@@ -349,6 +363,7 @@ __all__ = [
     "flop_costs",
     "forced_exit_benchmark",
     "measure_part_costs",
+    "paired_seconds",
     "task_benchmark",
     "training_step_benchmark",
     "truncated_model",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .data import CAPTION_PROMPT, ImageTextCollator
 from .metrics import load as load_metric
@@ -58,27 +59,43 @@ class TaskRun:
     decoder_exit_layers: torch.Tensor
     seconds: float
 
+    @classmethod
+    def concatenate(cls, runs: list["TaskRun"]) -> "TaskRun":
+        """The runs of consecutive batches as one run (decoder exit layers padded with 0 to the longest)."""
+        width = max(run.decoder_exit_layers.shape[1] for run in runs)
+        return cls(
+            [prediction for run in runs for prediction in run.predictions],
+            torch.cat([run.encoder_exit_layers for run in runs]),
+            torch.cat([F.pad(run.decoder_exit_layers, (0, width - run.decoder_exit_layers.shape[1])) for run in runs]),
+            sum(run.seconds for run in runs),
+        )
+
 
 @torch.no_grad()
-def run_task(model, processor, inputs: TaskInputs, knobs: dict[str, Any] | None = None, **generate_kwargs) -> TaskRun:
-    """Generate for every batch with `knobs` (on top of "no exit"), timing the calls only."""
-    task, eos = inputs.task, model.config.eos_token_id
+def run_batch(
+    model, processor, task: Task, batch: dict[str, torch.Tensor], knobs: dict[str, Any] | None = None, **generate_kwargs
+) -> TaskRun:
+    """Generate for one batch with `knobs` (on top of "no exit"), timing the `generate` call only."""
     settings = {**FULL_MODEL, **(knobs or {})}
     decoding = dict(max_new_tokens=task.max_new_tokens, num_beams=task.num_beams, do_sample=False)
-    predictions, encoder_layers, decoder_layers, seconds = [], [], [], 0.0
-    for batch in inputs.batches:
-        start = time.perf_counter()
-        out = model.generate(**batch, **settings, **decoding, **generate_kwargs, return_dict_in_generate=True)
-        seconds += time.perf_counter() - start
-        new_tokens = out.sequences[:, 1:]  # [B, T]: after the decoder start token
-        ended = new_tokens.eq(eos)
-        past_end = (ended.cumsum(dim=1) - ended.long()) > 0  # tokens after the first </s> are padding
-        decoder_layers.append(out.exit_layers.masked_fill(past_end.to(out.exit_layers.device), 0).cpu())
-        encoder_layers.append(out.encoder_exit_layers.cpu())
-        predictions.extend(text.strip() for text in processor.batch_decode(out.sequences, skip_special_tokens=True))
-    width = max(layers.shape[1] for layers in decoder_layers)
-    decoder_layers = [torch.nn.functional.pad(layers, (0, width - layers.shape[1])) for layers in decoder_layers]
-    return TaskRun(predictions, torch.cat(encoder_layers), torch.cat(decoder_layers), seconds)
+    start = time.perf_counter()
+    out = model.generate(**batch, **settings, **decoding, **generate_kwargs, return_dict_in_generate=True)
+    if out.sequences.is_cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    new_tokens = out.sequences[:, 1:]  # [B, T]: after the decoder start token
+    ended = new_tokens.eq(model.config.eos_token_id)
+    past_end = (ended.cumsum(dim=1) - ended.long()) > 0  # tokens after the first </s> are padding
+    decoder_layers = out.exit_layers.masked_fill(past_end.to(out.exit_layers.device), 0).cpu()
+    predictions = [text.strip() for text in processor.batch_decode(out.sequences, skip_special_tokens=True)]
+    return TaskRun(predictions, out.encoder_exit_layers.cpu(), decoder_layers, seconds)
+
+
+def run_task(model, processor, inputs: TaskInputs, knobs: dict[str, Any] | None = None, **generate_kwargs) -> TaskRun:
+    """`run_batch` for every batch of `inputs`, as one run."""
+    return TaskRun.concatenate(
+        [run_batch(model, processor, inputs.task, batch, knobs, **generate_kwargs) for batch in inputs.batches]
+    )
 
 
 def score(task: Task, predictions: list[str], targets: list[str], meteor: bool = False) -> dict[str, Any]:
@@ -138,6 +155,7 @@ __all__ = [
     "disagreement",
     "exit_layer_accuracy",
     "normalize_answer",
+    "run_batch",
     "run_task",
     "score",
 ]

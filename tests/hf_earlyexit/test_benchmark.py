@@ -1,9 +1,11 @@
-"""The benchmark's ideal: a model truncated to K layers is exactly the full model forced to exit after K."""
+"""The benchmark's ideal (a model truncated to K layers is exactly the full model forced to exit after K) and its
+clock (settings paired batch by batch)."""
 
+import pytest
 import torch
 
-from hf_earlyexit import EarlyExitSettings, FixedLayerExit
-from hf_earlyexit.benchmark import truncated_model
+from hf_earlyexit import EarlyExitSettings, FixedLayerExit, benchmark
+from hf_earlyexit.benchmark import paired_seconds, truncated_model
 from tests.helpers import tiny_inputs, tiny_model
 
 
@@ -23,3 +25,29 @@ def test_truncated_model_shares_weights_and_equals_the_forced_exit():
         **inputs, max_new_tokens=6, exit_controller={"decoder": FixedLayerExit(2), "encoder": FixedLayerExit(2)}
     )
     assert torch.equal(generated, truncated.generate(**inputs, max_new_tokens=6))
+
+
+def test_paired_seconds_alternates_settings_per_batch_and_sums_the_batch_medians(monkeypatch):
+    clock, calls = [0.0], []
+    # Seconds per (setting, batch) in rounds 0 (warm-up), 1, 2, 3: a spike in one round must not count.
+    durations = {
+        ("full", 0): [9, 2, 2, 50],
+        ("full", 1): [9, 3, 4, 4],
+        ("exit", 0): [9, 1, 1, 1],
+        ("exit", 1): [9, 2, 2, 3],
+    }
+    monkeypatch.setattr(benchmark.time, "perf_counter", lambda: clock[0])
+
+    def timed(name):
+        def run(index):
+            calls.append((name, index))
+            clock[0] += durations[name, index][sum(call == (name, index) for call in calls) - 1]
+
+        return run
+
+    seconds = paired_seconds({"full": timed("full"), "exit": timed("exit")}, 2, 3, torch.device("cpu"))
+    assert seconds == {"full": 2 + 4, "exit": 1 + 2}
+    one_batch = [("exit", 0), ("full", 0), ("full", 0), ("exit", 0), ("exit", 0), ("full", 0), ("full", 0), ("exit", 0)]
+    assert calls[:8] == one_batch and calls[8:] == [(name, 1) for name, _ in one_batch]
+    with pytest.raises(ValueError, match="`repeats` must be positive"):
+        paired_seconds({"full": timed("full")}, 1, 0, torch.device("cpu"))
