@@ -60,6 +60,11 @@ class ExitState:
             self._logits = self.logits_fn()
         return self._logits
 
+    @property
+    def computed_logits(self) -> torch.Tensor | None:
+        """The exit head's logits if a controller asked for them, else None (never computes them)."""
+        return self._logits
+
 
 class ThresholdSchedule:
     """A threshold as a function of the decoding step: `schedule(step, max_steps) -> float`."""

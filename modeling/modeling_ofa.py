@@ -813,9 +813,13 @@ class OFADecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
     exit_hidden_states (`tuple(torch.FloatTensor)`, with `output_exit_hidden_states=True`):
         The input of the output projection at each exit point of `config.exit_points`, then at the last layer
         (`last_hidden_state`): [batch, q, d_model] each, after the shared final LayerNorm.
+    logits (`torch.FloatTensor` [batch, 1, vocab], only when the exit head computed them):
+        The output projection of `last_hidden_state`, when every row stopped at one exit whose controller asked
+        for the exit head's logits (a confidence policy): they are the same, so the model does not project again.
     """
 
     exit_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    logits: torch.FloatTensor | None = None
 
 
 @dataclass
@@ -1053,13 +1057,13 @@ class OFADecoder(nn.Module):
         projection; without, layer by layer."""
         if folded is None:
             return [layer.self_key_values(hidden_states) for layer in self.layers[first:]]
-        width, norm = 2 * self.config.d_model, self.layers[first].self_attn_layer_norm
+        d, norm = self.config.d_model, self.layers[first].self_attn_layer_norm
         normalized = F.layer_norm(hidden_states, norm.normalized_shape, eps=norm.eps)
-        projected = F.linear(normalized, folded[0][first * width :], folded[1][first * width :])
-        return [
-            (split_heads(key, self.num_heads), split_heads(value, self.num_heads))
-            for key, value in (layer.chunk(2, dim=-1) for layer in projected.split(width, dim=-1))
-        ]
+        projected = F.linear(normalized, folded[0][first * 2 * d :], folded[1][first * 2 * d :])
+        rows, length = projected.shape[:2]
+        # [rows, q, layers * 2 * d] -> [layers, k/v, rows, heads, q, head_dim]: every layer's K and V are views.
+        per_layer = projected.view(rows, length, -1, 2, self.num_heads, d // self.num_heads).permute(2, 3, 0, 4, 1, 5)
+        return list(zip(per_layer[:, 0], per_layer[:, 1], strict=True))
 
     def catch_up(
         self,
@@ -1170,6 +1174,7 @@ class OFADecoder(nn.Module):
         all_rows = torch.arange(batch, device=input_ids.device)
         final, active = None, None  # active: the rows still running (None: all of them)
         exit_outputs = None  # [batch, q, d]: the last layer's output of each row that stopped early
+        step_logits = None  # [batch, vocab]: the exit head's, when the whole batch stopped at one exit
         query_mask = attention_mask[:, past:] if attention_mask is not None else None
         states, self_attentions, cross_attentions, exit_states = [hidden_states], [], [], []
         for count, idx in enumerate(layers, start=1):
@@ -1235,6 +1240,8 @@ class OFADecoder(nn.Module):
                 else:
                     exit_outputs[rows] = hidden_states
                 hidden_states = exit_state()
+                if final is None and input_ids.shape[1] == 1:  # the exit head's logits, if asked, are the step's
+                    step_logits = state.computed_logits
                 break
             exiting = rows[stop]
             exit_layers[exiting] = count
@@ -1268,6 +1275,7 @@ class OFADecoder(nn.Module):
             attentions=tuple(self_attentions) if output_attentions else None,
             cross_attentions=tuple(cross_attentions) if output_attentions else None,
             exit_hidden_states=(*exit_states, last_hidden_state) if output_exit_hidden_states else None,
+            logits=step_logits[:, None] if step_logits is not None else None,
         )
 
 
@@ -1438,7 +1446,9 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
             output_hidden_states=output_hidden_states,
             output_exit_hidden_states=output_exit_hidden_states,
         )
-        logits = self.decoder.output_projection(decoder_outputs.last_hidden_state)
+        logits = decoder_outputs.logits
+        if logits is None:
+            logits = self.decoder.output_projection(decoder_outputs.last_hidden_state)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().to(logits.device), ignore_index=-100)

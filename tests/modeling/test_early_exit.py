@@ -249,6 +249,25 @@ def test_confidence_exit_at_a_low_threshold_stops_at_the_first_allowed_layer(mod
     assert bool((patience.exit_layers >= 2).all())
 
 
+def test_a_step_that_stops_at_one_exit_reuses_the_exit_heads_logits(model):
+    inputs = batch_of(2)
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(**inputs)
+        start = torch.zeros(2, 1, dtype=torch.long)
+        asked = model.decoder(start, encoder_outputs, exit_settings=EarlyExitSettings(decoder=ConfidenceExit(0.0)))
+        forced = model.decoder(start, encoder_outputs, exit_settings=EarlyExitSettings(decoder=FixedLayerExit(1)))
+    assert forced.logits is None  # no controller asked for the exit head
+    torch.testing.assert_close(
+        asked.logits, model.decoder.output_projection(asked.last_hidden_state), rtol=0, atol=1e-6
+    )
+    # In generate, the reused logits give what projecting the exit state gives.
+    confident = generate(model, inputs, "greedy", exit_policy="confidence", exit_threshold=0.0, min_exit_layer=2)
+    fixed = generate(model, inputs, "greedy", exit_controller=FixedLayerExit(2))
+    assert torch.equal(confident.sequences, fixed.sequences)
+    for reused, projected in zip(confident.scores, fixed.scores, strict=True):
+        torch.testing.assert_close(reused, projected, rtol=0, atol=1e-6)
+
+
 def test_teacher_forced_forward_with_exits_uses_each_rows_exit_state(model):
     inputs = batch_of(2)
     decoder_input_ids = torch.tensor([[0, 5, 9, 14], [0, 7, 7, 30]])
