@@ -284,7 +284,7 @@ def checked_decision(decision: torch.Tensor, state: ExitState, controller: ExitC
             f"`exit_controller` {controller!r} must return a BoolTensor of shape ({state.rows.shape[0]},) "
             f"(one decision per active row), got {shape}."
         )
-    return decision.to(torch.bool)
+    return decision if decision.dtype == torch.bool else decision.to(torch.bool)
 
 
 POLICIES = {"similarity": SimilarityExit, "confidence": ConfidenceExit}

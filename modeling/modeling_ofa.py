@@ -118,6 +118,19 @@ class DropPath(nn.Module):
         return drop_path(x, self.rate, self.training)
 
 
+def computed_once(function: Callable[[], Any]) -> Callable[[], Any]:
+    """`function()` on the first call, remembered: `functools.cache` of a function without arguments, minus the
+    copying of its metadata (about 10 µs for every decoder layer that asks whether to exit)."""
+    value = []
+
+    def call() -> Any:
+        if not value:
+            value.append(function())
+        return value[0]
+
+    return call
+
+
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[batch, length, d_model] -> [batch, heads, length, head_dim]."""
     return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)
@@ -658,7 +671,7 @@ class OFAEncoder(nn.Module):
                 continue
             state = ExitState(part, count, 0, hidden_states, previous, rows, len(layers), attention_mask=real_tokens)
             stop = checked_decision(controller(state), state, controller)
-            stopping = int(stop.sum())
+            stopping = sum(stop.tolist())  # one host read, cheaper than a sum op on a few rows
             if stopping == 0:
                 continue
             exit_layers[rows[stop]] = count
@@ -1200,7 +1213,7 @@ class OFADecoder(nn.Module):
             ask = controller is not None and count >= exit_settings.min_exit_layer and count in self.exit_points
             if not (collect or ask):
                 continue
-            exit_state = functools.cache(  # the exit head's input, computed once, and only if needed
+            exit_state = computed_once(  # the exit head's input, computed once, and only if needed
                 functools.partial(
                     self.exit_hidden_states,
                     idx + 1,
@@ -1230,7 +1243,7 @@ class OFADecoder(nn.Module):
                 lambda exit_state=exit_state: self.exit_logits(exit_state()[:, -1]),
             )
             stop = checked_decision(controller(state), state, controller)
-            stopping = int(stop.sum())
+            stopping = sum(stop.tolist())  # one host read, cheaper than a sum op on a few rows
             if stopping == 0:
                 continue
             if stopping == len(rows):  # every running row stops here; the states after the loop are theirs
