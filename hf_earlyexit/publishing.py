@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -114,16 +115,17 @@ def render_model_card(
     base_model: str | None = None,
     license: str | None = None,
     pipeline_tag: str = "image-to-text",
+    tags: Sequence[str] = (),
 ) -> str:
-    """The README.md of a published model: Hub metadata, then the template in `model_cards/` filled with the usage
-    code, the measured `table` (`measured_table`), the `plot` (a file name in the repository),
-    the training recipe and the limitations."""
+    """The README.md of a published model: Hub metadata (`tags` after the library's own), then the template in
+    `model_cards/` filled with the usage code, the measured `table` (`measured_table`), the `plot` (a file name in
+    the repository), the training recipe and the limitations."""
     from huggingface_hub import ModelCardData
 
     data = ModelCardData(
         library_name="transformers",
         pipeline_tag=pipeline_tag,
-        tags=TAGS,
+        tags=[*TAGS, *(tag for tag in tags if tag not in TAGS)],
         datasets=datasets or None,
         base_model=base_model,
         license=license,

@@ -292,6 +292,7 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         self,
         model_name: str | None = None,
         license: str | None = None,
+        tags: str | list[str] | None = None,
         finetuned_from: str | None = None,
         dataset: str | list[str] | None = None,
         **unused,
@@ -323,6 +324,7 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             datasets=[dataset] if isinstance(dataset, str) else dataset,
             base_model=finetuned_from,
             license=license,
+            tags=[tags] if isinstance(tags, str) else tags or (),
         )
         (output / "README.md").write_text(card)
 

@@ -355,7 +355,7 @@ def test_push_to_hub_uploads_remote_code_and_the_early_exit_card_from_the_main_p
     with mock.patch("transformers.trainer.hf_api", return_value=api):
         trainer = trainer_for(tmp_path, push_to_hub=True, hub_model_id="someone/tiny-ee", hub_token="hf_test")
         trainer.train()
-        trainer.push_to_hub(license="mit", finetuned_from="someone/ofa-base")
+        trainer.push_to_hub(license="mit", finetuned_from="someone/ofa-base", tags=["shapes", "early-exit"])
     api.create_repo.assert_called_once_with("someone/tiny-ee", token="hf_test", private=None, exist_ok=True)
     upload = api.upload_folder.call_args.kwargs
     assert (upload["repo_id"], upload["folder_path"]) == ("someone/tiny-ee", str(tmp_path / "out"))
@@ -365,6 +365,7 @@ def test_push_to_hub_uploads_remote_code_and_the_early_exit_card_from_the_main_p
     card = ModelCard.load(output / "README.md")
     metadata = (card.data.library_name, card.data.base_model, card.data.license)
     assert metadata == ("transformers", "someone/ofa-base", "mit")
+    assert card.data.tags[-2:] == ["custom_code", "shapes"]  # the user's tags after the library's, once each
     assert "`exit_loss`: layerwise" in card.text and "`steps`: 2" in card.text
     assert "Not measured yet" in card.text  # no benchmark.jsonl in the output folder yet
 
