@@ -199,9 +199,8 @@ class EarlyExitGenerationMixin(GenerationMixin):
         settings.start()
         if settings.exits and kwargs.get("use_cache") is False:
             raise ValueError("Early exit in `generate` needs `use_cache=True` (skipped layers live in the cache).")
-        if (
-            settings.exits
-        ):  # a config's `use_cache=False` is a training setting (the Trainer writes it); exits need the cache
+        # A config's `use_cache=False` is a training setting (the Trainer writes it); exits need the cache.
+        if settings.exits:
             kwargs["use_cache"] = True
 
         output = super().generate(inputs, generation_config, exit_settings=settings, **kwargs)
