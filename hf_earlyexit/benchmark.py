@@ -287,7 +287,7 @@ def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: i
     """Full model vs `knobs` on the same inputs (`paired_seconds`): quality, expected time reduction, wall clock,
     per-part times. Returns the JSON object `hf-earlyexit bench --json` prints."""
     config, settings = model.config, {"full": {}, "early_exit": knobs}
-    batch_runs: dict[str, dict[int, TaskRun]] = {name: {} for name in settings}
+    batch_runs: dict[str, list[TaskRun | None]] = {name: [None] * len(inputs.batches) for name in settings}
 
     def generate(name: str) -> Callable[[int], None]:
         def run(index: int) -> None:  # every round decodes the same; the last one's outputs are scored
@@ -297,7 +297,7 @@ def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: i
 
     functions = {name: generate(name) for name in settings}
     seconds = paired_seconds(functions, len(inputs.batches), repeats, model.device)
-    runs = {name: TaskRun.concatenate([by_index[i] for i in sorted(by_index)]) for name, by_index in batch_runs.items()}
+    runs = {name: TaskRun.concatenate(batches) for name, batches in batch_runs.items()}
     costs, flops = measure_part_costs(model, inputs, repeats), flop_costs(model, inputs)
 
     def reduction(run, part_costs: PartCosts) -> float:
