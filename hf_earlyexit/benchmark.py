@@ -63,6 +63,11 @@ def random_inputs(config: OFAEarlyExitConfig, batch: int, image_size: int, devic
     }
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU with its thread count (what a timing ran on)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+
+
 def median_seconds(functions: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
     """Median wall-clock of each function: `paired_seconds` with one batch."""
     return paired_seconds({name: lambda _, f=f: f() for name, f in functions.items()}, 1, repeats, device)
@@ -77,7 +82,7 @@ def forced_exit_benchmark(
     new_tokens: int = 16,
     image_size: int = 384,
     repeats: int = 3,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     dtype: str = "float32",
 ) -> dict:
     """Time full, forced-exit and truncated models (random weights of `preset` size); returns a JSON-ready dict."""
@@ -95,9 +100,7 @@ def forced_exit_benchmark(
     exit_after = FixedLayerExit(forced_exit)
     report = {
         "model": f"OFA-{preset} (random weights)",
-        "device": torch.cuda.get_device_name()
-        if torch_device.type == "cuda"
-        else f"cpu ({torch.get_num_threads()} threads)",
+        "device": device_name(torch_device),
         "dtype": dtype,
         "image_size": image_size,
         "prompt_tokens": PROMPT_LENGTH,
@@ -329,7 +332,8 @@ def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: i
         "metric": inputs.task.quality_key,
         "samples": inputs.samples,
         "batch_size": inputs.batches[0]["input_ids"].shape[0],
-        "device": f"{model.device.type} ({torch.get_num_threads()} threads)",
+        "device": device_name(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
         "repeats": repeats,
         "full": full,
         "early_exit": early,

@@ -95,14 +95,14 @@ def exit_knobs(args: argparse.Namespace, model) -> dict:
     return {name: value for name, value in {**saved, **given}.items() if value != EXIT_KNOBS[name] or name in given}
 
 
-def task_inputs(name: str, processor, split: str, samples: int, batch_size: int):
+def task_inputs(name: str, processor, split: str, samples: int, batch_size: int, device: str = "cpu"):
     from .evaluation import TaskInputs
     from .tasks import get_task
 
     if samples < 1:
         raise ValueError(f"--samples must be positive, got {samples}.")
     task = get_task(name)
-    return TaskInputs.build(task, processor, task.dataset(split, size=samples), batch_size)
+    return TaskInputs.build(task, processor, task.dataset(split, size=samples), batch_size, device)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -252,7 +252,22 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     print(json.dumps(report, indent=None if args.json else 2))
 
 
+def bench_device(name: str):
+    """`--device` as a torch.device, refused in one line when it is malformed or absent here."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device must name a torch device (cpu, cuda, cuda:1, ...), got {name!r}.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this machine has no CUDA device.")
+    return device
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
+    import torch
+
     from .benchmark import forced_exit_benchmark, task_benchmark, training_step_benchmark
 
     if args.model_dir:
@@ -264,7 +279,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError(
                 "No exit setting: give an exit threshold, or calibrate the model (`hf-earlyexit calibrate --write`)."
             )
-        inputs = task_inputs(args.task, processor, "test", args.samples, args.batch_size)
+        model.to(device=bench_device(args.device), dtype=getattr(torch, args.dtype))
+        inputs = task_inputs(args.task, processor, "test", args.samples, args.batch_size, str(model.device))
         report = task_benchmark(model, processor, inputs, knobs, args.repeats, meteor=args.meteor)
         print(json.dumps(report, indent=None if args.json else 2))
         return
@@ -292,7 +308,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         new_tokens=args.new_tokens,
         image_size=args.image_size,
         repeats=args.repeats,
-        device=args.device,
+        device=bench_device(args.device),
         dtype=args.dtype,
     )
     print(json.dumps(report, indent=None if args.json else 2))
@@ -449,8 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=16)
     bench.add_argument("--image-size", type=int, default=384)
     bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--device", default="cpu")
-    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--device", default="cpu", help="where to time (cpu, cuda, ...); with MODEL_DIR too")
+    bench.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the model's dtype; with MODEL_DIR too",
+    )
     bench.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     bench.set_defaults(run=cmd_bench)
 

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from PIL import Image
 
 from hf_earlyexit.cli import main
@@ -57,6 +58,7 @@ def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_to
         (lambda d, t: ["bench", "--forced-exit", "4", "--preset", "tiny"], "--forced-exit"),
         (lambda d, t: ["bench", "--forced-exit", "1", "--batch-sizes", "0"], "positive"),
         (lambda d, t: ["bench", "--training-step", "--exit-losses", "layerwise"], "must include 'none'"),
+        (lambda d, t: ["bench", "--forced-exit", "1", "--preset", "tiny", "--device", "gpu0"], "torch device"),
         (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--exit-loss", "early"], "exit_loss"),
         (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--target-column", "x"], "no column"),
         (lambda d, t: [*TRAIN, str(t / "nowhere"), "--output-dir", str(t / "o")], "nowhere"),
@@ -166,8 +168,13 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     assert report["wall_clock_time_reduction"] == pytest.approx(1 - ratio, abs=1e-4)
     assert set(report["per_part_seconds"]) >= {"decoder_layer_per_token", "encoder_image_layer_per_sample"}
 
+    assert report["device"].startswith("cpu (") and report["dtype"] == "float32"
+
     assert main([*argv, "--kv-strategy", "copy", "--json"]) == 0  # one knob given: the calibrated ones stay
     assert json.loads(capsys.readouterr().out)["early_exit"]["settings"] == {**saved, "kv_strategy": "copy"}
+    assert main([*argv, "--dtype", "bfloat16", "--json"]) == 0  # --dtype reaches the task benchmark's model
+    report = json.loads(capsys.readouterr().out)
+    assert report["dtype"] == "bfloat16" and report["full"]["seconds"] > 0
 
 
 @pytest.mark.parametrize(
@@ -180,6 +187,11 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
         (["calibrate", "{m}", "--tasks", "vqa", "--encoder-thresholds", "high"], "comma-separated numbers"),
         (["calibrate", "{m}", "--tasks", "ocr"], "Unknown task 'ocr'"),
         (["bench", "{m}", "--forced-exit", "1"], "not both"),
+        *(
+            [(["bench", "{m}", "--task", "vqa", "--exit-threshold", "0.5", "--device", "cuda"], "no CUDA device")]
+            if not torch.cuda.is_available()
+            else []
+        ),
         (["bench"], "Give a model folder"),
     ],
 )
