@@ -78,8 +78,8 @@ def measured_table(records: list[dict[str, Any]]) -> str:
         raise ValueError("No benchmark records: the card needs measured numbers (`hf-earlyexit bench --json`).")
     rows = [
         "| task | metric | full | early exit | % of full | expected time reduction (measured / FLOPs) "
-        "| wall-clock reduction | samples x batch | device |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| wall-clock reduction | samples x batch | device | skipped layers' K/V |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for record in records:
         full, early = record["full"], record["early_exit"]
@@ -89,7 +89,8 @@ def measured_table(records: list[dict[str, Any]]) -> str:
             f"| {ratio:.1%} | {early['expected_time_reduction']:.1%} / "
             f"{early.get('expected_time_reduction_flops', float('nan')):.1%} "
             f"| {record['wall_clock_time_reduction']:.1%} | {record.get('samples', '?')} x "
-            f"{record.get('batch_size', '?')} | {record.get('device', '?')} |"
+            f"{record.get('batch_size', '?')} | {record.get('device', '?')} "
+            f"| {early.get('settings', {}).get('kv_strategy', EXIT_KNOBS['kv_strategy'])} |"
         )
     return "\n".join(rows)
 

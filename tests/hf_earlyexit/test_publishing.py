@@ -12,7 +12,14 @@ import hf_earlyexit
 from hf_earlyexit import publishing
 from hf_earlyexit.calibration import write_generation_defaults
 from hf_earlyexit.cli import main
-from hf_earlyexit.publishing import PublishError, assemble, publish, read_benchmark, validate_folder
+from hf_earlyexit.publishing import (
+    PublishError,
+    assemble,
+    measured_table,
+    publish,
+    read_benchmark,
+    validate_folder,
+)
 from hf_earlyexit.training import small_model_and_processor
 
 REPO_ID = "someone/ofa-ee-tiny"
@@ -91,13 +98,22 @@ def test_folder_has_weights_code_processor_and_auto_maps(assembled):
     assert read_benchmark(assembled / "benchmark.jsonl") == [RECORD]
 
 
+def test_measured_table_names_each_records_kv_strategy():
+    copied = {**RECORD, "early_exit": {**RECORD["early_exit"], "settings": {**KNOBS, "kv_strategy": "copy"}}}
+    rows = measured_table([RECORD, copied]).splitlines()[2:]
+    assert [row.rsplit("|", 2)[1].strip() for row in rows] == ["propagate", "copy"]
+
+
 def test_card_metadata_parses_and_holds_the_measured_table(assembled):
     card = ModelCard.load(assembled / "README.md")
     assert card.data.library_name == "transformers"
     assert card.data.pipeline_tag == "image-to-text"
     assert card.data.datasets == ["easy-vqa"]
     assert {"early-exit", "custom_code"} <= set(card.data.tags)
-    assert "| vqa | accuracy | 0.800 | 0.796 | 99.5% | 43.2% / 60.1% | 39.1% | 200 x 1 | cpu (2 threads) |" in card.text
+    assert (
+        "| vqa | accuracy | 0.800 | 0.796 | 99.5% | 43.2% / 60.1% | 39.1% | 200 x 1 | cpu (2 threads) | propagate |"
+        in card.text
+    )
     assert f'AutoModel.from_pretrained("{REPO_ID}", trust_remote_code=True)' in card.text
     assert json.dumps(KNOBS) in card.text  # the calibrated defaults
     assert "`max_steps`: 7" in card.text  # the recipe
