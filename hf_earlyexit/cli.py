@@ -270,6 +270,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     from .benchmark import forced_exit_benchmark, task_benchmark, training_step_benchmark
 
+    device = bench_device(args.device)  # checked before any model is loaded
     if args.model_dir:
         if args.forced_exit is not None or args.training_step:
             raise ValueError("Give a model folder (task benchmark) or --forced-exit / --training-step, not both.")
@@ -279,7 +280,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError(
                 "No exit setting: give an exit threshold, or calibrate the model (`hf-earlyexit calibrate --write`)."
             )
-        model.to(device=bench_device(args.device), dtype=getattr(torch, args.dtype))
+        model.to(device=device, dtype=getattr(torch, args.dtype))
         inputs = task_inputs(args.task, processor, "test", args.samples, args.batch_size, str(model.device))
         report = task_benchmark(model, processor, inputs, knobs, args.repeats, meteor=args.meteor)
         print(json.dumps(report, indent=None if args.json else 2))
@@ -308,7 +309,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         new_tokens=args.new_tokens,
         image_size=args.image_size,
         repeats=args.repeats,
-        device=bench_device(args.device),
+        device=device,
         dtype=args.dtype,
     )
     print(json.dumps(report, indent=None if args.json else 2))
