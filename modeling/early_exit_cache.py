@@ -3,18 +3,25 @@
 Every layer keeps one slot per token for every row, so all layers stay aligned with layer 0 and everything in
 `generate` that reads the cache length, reorders beams or crops keeps working. At each decoding step the decoder
 opens the new slots in every layer (`open_slots`); a layer fills its slots for the rows it runs on (`write`), and
-when a row exits, the cache fills that row's slots in the layers it skipped, by the `kv_strategy`:
+when a row exits, the cache records the slots it left empty in the layers it skipped (`record_skipped`). They are
+filled by the `kv_strategy`:
 
 - `propagate` (CALM): each skipped layer's own pre-LN + k/v projections of the exited hidden state;
 - `copy` (what the official MuE code meant to do): the exit layer's K/V, copied;
-- `recompute` (DEED): nothing yet; the slot remembers the exited state and the first layer it still needs
-  (`pending` / `frontier`). When a later token of that row reaches that layer, the decoder first runs the layer on
-  the waiting states (`pending_inputs` -> layer -> `advance`), so the finished K/V equal a full-depth pass.
+- `recompute` (DEED): the slot remembers the exited state and the first layer it still needs (`pending` /
+  `frontier`). When a later token of that row reaches that layer, the decoder first runs the layer on the waiting
+  states (`pending_inputs` -> layer -> `advance`), so the finished K/V equal a full-depth pass.
+
+`propagate` and `copy` fill late too: only when a later token is about to run a layer that an earlier token
+skipped (`fill_skipped(layer_idx)`). The slots no later token reads are never filled: those of the last token, and
+all of them when the tokens after stop at the same depth or shallower (a short answer: its end-of-sequence token
+stops at the first exit). `fill_skipped()` fills everything recorded, for a caller that reads the cache itself.
 
 The cache never imports the model: `propagate` asks the decoder for the projections through a callable.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +29,23 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 KV_STRATEGIES = ("propagate", "copy", "recompute")
+
+
+@dataclass
+class SkippedSlots:
+    """One step's slots that rows left empty (`propagate` / `copy`), to fill when a later token needs them.
+
+    slots: the step's positions. layers_run [batch]: the layers each row ran (the depth: none skipped).
+    exit_outputs [batch, q, d]: the output of each early-stopped row's last layer. shallowest: the fewest layers a row
+    ran when the step was recorded, i.e. the first layer index with an empty slot (a beam reordering can only raise
+    it). project: the decoder's K/V of exited states per layer.
+    """
+
+    slots: slice
+    layers_run: torch.Tensor
+    exit_outputs: torch.Tensor
+    shallowest: int
+    project: Callable[[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
 
 
 class EarlyExitCache(DynamicCache):
@@ -46,6 +70,8 @@ class EarlyExitCache(DynamicCache):
         self.pending: torch.Tensor | None = None  # [batch, T, d_model]
         # Layers that may have waiting tokens, kept in Python so that asking costs no device sync.
         self.waiting_layers: set[int] = set()
+        # propagate / copy: the steps whose empty slots are not filled yet, oldest first.
+        self.skipped: list[SkippedSlots] = []
         self._derived: dict[str, Any] = {}
 
     def derived(self, name: str, make: Callable[[], Any]) -> Any:
@@ -98,28 +124,50 @@ class EarlyExitCache(DynamicCache):
             layer.values[row_index, :, slot_index] = value.transpose(1, 2)[valid]
         return layer.keys, layer.values
 
-    def fill_skipped(
+    def record_skipped(
         self,
         layers_run: torch.Tensor,
         slots: slice,
         exit_outputs: torch.Tensor,
         project: Callable[[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]],
     ) -> None:
-        """After a decoding step: fill the slots of the layers each row skipped. `layers_run` [batch] counts the
+        """After a decoding step: record the slots of the layers each row skipped. `layers_run` [batch] counts the
         layers each row ran (the depth: none skipped); `exit_outputs` [batch, q, d] holds the output of its last
         layer for the rows that stopped early. `project(first, hidden)` gives the K/V of hidden states in each layer
-        from `first` to the last.
+        from `first` to the last. One host sync per step."""
+        shallowest = min(layers_run.tolist())
+        if shallowest >= self.num_layers:
+            return
+        if self.kv_strategy == "recompute":
+            rows = (layers_run < self.num_layers).nonzero().squeeze(1)
+            self.frontier[rows, slots] = layers_run[rows, None]  # each waits for the first layer it skipped
+            self.pending[rows, slots] = exit_outputs[rows].to(self.pending.dtype)
+            self.waiting_layers.update(set(layers_run[rows].tolist()))
+            return
+        self.skipped.append(SkippedSlots(slots, layers_run, exit_outputs, shallowest, project))
 
-        Done once per step, not at each exit, so that a step costs one projection (propagate) or one copy per exit
-        depth and skipped layer, whatever the number of rows and of layers they left at."""
-        depth = self.num_layers
+    def fill_skipped(self, layer_idx: int | None = None) -> None:
+        """`propagate` / `copy`: fill the recorded steps that left layer `layer_idx` empty for a row, each in all the
+        layers it skipped (None: every recorded step). The decoder asks before each layer it runs; a few Python
+        comparisons when nothing is due."""
+        due = [step for step in self.skipped if layer_idx is None or step.shallowest <= layer_idx]
+        if not due:
+            return
+        for step in due:
+            self.fill_step(step)
+        self.skipped = [step for step in self.skipped if not any(step is done for done in due)]
+
+    def fill_step(self, step: SkippedSlots) -> None:
+        """Fill one step's empty slots: one projection (propagate) or one copy per exit depth and skipped layer,
+        whatever the number of rows and of layers they left at."""
+        depth, slots = self.num_layers, step.slots
         by_depth: dict[int, list[int]] = {}
-        for row, ran in enumerate(layers_run.tolist()):  # one host sync per step
+        for row, ran in enumerate(step.layers_run.tolist()):
             if ran < depth:
                 by_depth.setdefault(ran, []).append(row)
-        if not by_depth:
+        if not by_depth:  # the beams that skipped were dropped by a reordering
             return
-        batch, device = layers_run.shape[0], layers_run.device
+        batch, device = step.layers_run.shape[0], step.layers_run.device
 
         def index(rows: list[int]) -> torch.Tensor | None:  # None: every row, in order (no gathers)
             return None if len(rows) == batch else torch.tensor(sorted(rows), device=device)
@@ -128,7 +176,7 @@ class EarlyExitCache(DynamicCache):
             exited = sorted(row for group in by_depth.values() for row in group)
             rows = index(exited)
             first = min(by_depth)
-            key_values = project(first, exit_outputs if rows is None else exit_outputs[rows])  # layers first..
+            key_values = step.project(first, step.exit_outputs if rows is None else step.exit_outputs[rows])
             skipping: set[int] = set()  # the rows that skip layer_idx: those that ran at most layer_idx layers
             for layer_idx, (key, value) in enumerate(key_values, start=first):
                 skipping.update(by_depth.get(layer_idx, []))
@@ -136,7 +184,7 @@ class EarlyExitCache(DynamicCache):
                     picked = torch.tensor([i for i, row in enumerate(exited) if row in skipping], device=device)
                     key, value = key[picked], value[picked]
                 self.write(layer_idx, key, value, index(skipping), slots)
-        elif self.kv_strategy == "copy":
+        else:
             for ran, group in by_depth.items():
                 rows = index(group)
                 exit_layer = self.layers[ran - 1]
@@ -144,11 +192,6 @@ class EarlyExitCache(DynamicCache):
                 key, value = exit_layer.keys[row_index, :, slots], exit_layer.values[row_index, :, slots]
                 for layer_idx in range(ran, depth):
                     self.write(layer_idx, key, value, rows, slots)
-        else:
-            rows = torch.tensor(sorted(row for group in by_depth.values() for row in group), device=device)
-            self.frontier[rows, slots] = layers_run[rows, None]  # each waits for the first layer it skipped
-            self.pending[rows, slots] = exit_outputs[rows].to(self.pending.dtype)
-            self.waiting_layers.update(by_depth)
 
     def pending_inputs(
         self, layer_idx: int, rows: torch.Tensor
@@ -184,31 +227,45 @@ class EarlyExitCache(DynamicCache):
 
     # The side buffers follow every batch and length operation of the K/V.
 
-    def _map_side_buffers(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def _map_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch operation (on dim 0) to every buffer kept beside the K/V."""
         if self.frontier is not None:
             self.frontier, self.pending = function(self.frontier), function(self.pending)
+        for step in self.skipped:
+            step.layers_run, step.exit_outputs = function(step.layers_run), function(step.exit_outputs)
 
     def reset(self) -> None:
         super().reset()
         self.frontier = self.pending = None
         self.waiting_layers = set()
+        self.skipped = []
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._map_side_buffers(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
-        if tokens_to_remove < 0:
-            self._map_side_buffers(lambda t: t[:, :tokens_to_remove])
+        if tokens_to_remove >= 0:
+            return
+        if self.frontier is not None:
+            self.frontier, self.pending = self.frontier[:, :tokens_to_remove], self.pending[:, :tokens_to_remove]
+        length = self.get_seq_length()
+        self.skipped = [step for step in self.skipped if step.slots.start < length]
+        for step in self.skipped:  # a step that straddles the new end keeps its first positions
+            stop = min(step.slots.stop, length)
+            step.slots, step.exit_outputs = (
+                slice(step.slots.start, stop),
+                step.exit_outputs[:, : stop - step.slots.start],
+            )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        self._map_side_buffers(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        self._map_side_buffers(lambda t: t[indices])
+        self._map_rows(lambda t: t[indices])
 
 
-__all__ = ["EarlyExitCache", "KV_STRATEGIES"]
+__all__ = ["EarlyExitCache", "KV_STRATEGIES", "SkippedSlots"]

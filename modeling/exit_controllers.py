@@ -218,7 +218,7 @@ class ConfidenceExit(ThresholdExit):
     def score(self, state: ExitState) -> torch.Tensor:
         probabilities = state.logits().float().softmax(dim=-1)
         if self.measure == "max_probability":
-            return probabilities.max(dim=-1).values
+            return probabilities.amax(dim=-1)
         if self.measure == "margin":
             top = probabilities.topk(2, dim=-1).values
             return top[:, 0] - top[:, 1]

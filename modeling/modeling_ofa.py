@@ -1062,6 +1062,32 @@ class OFADecoder(nn.Module):
         tensors = [p for pair in projections for module in pair for p in (module.weight, module.bias)]
         return self.weight_table("folded_key_value_projections", tensors, make)
 
+    def cross_key_value_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's cross-attention k and v projections, stacked, per layer k then v: weight [layers * 2 * d, d],
+        bias [layers * 2 * d] (no grad)."""
+        projections = [p for layer in self.layers for p in (layer.cross_attn.k_proj, layer.cross_attn.v_proj)]
+
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.cat([p.weight for p in projections]), torch.cat([p.bias for p in projections])
+
+        tensors = [t for projection in projections for t in (projection.weight, projection.bias)]
+        return self.weight_table("cross_key_value_projections", tensors, make)
+
+    def cache_cross_key_values(self, encoder_hidden_states: torch.Tensor, past_key_values: EncoderDecoderCache) -> None:
+        """Every layer's cross-attention K/V of the encoder output [batch, S, d] into the cache, in one projection:
+        at decoding's first step, two small matmuls per layer cost more in calls than in arithmetic, and a layer
+        first reached at a later step finds its entry ready."""
+        weight, bias = past_key_values.self_attention_cache.derived(
+            "cross_key_value_projections", self.cross_key_value_projections
+        )
+        batch, length, d = encoder_hidden_states.shape
+        projected = F.linear(encoder_hidden_states, weight, bias)  # [batch, S, layers * 2 * d]
+        # -> [layers, k/v, batch, heads, S, head_dim]
+        per_layer = projected.view(batch, length, -1, 2, self.num_heads, d // self.num_heads).permute(2, 3, 0, 4, 1, 5)
+        for layer_idx, (key, value) in enumerate(per_layer):
+            past_key_values.cross_attention_cache.update(key, value, layer_idx)
+            past_key_values.is_updated[layer_idx] = True
+
     def skipped_key_values(
         self, first: int, hidden_states: torch.Tensor, folded: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -1181,6 +1207,8 @@ class OFADecoder(nn.Module):
                 positions, position_ids, query_slots, attention_mask, encoder_outputs
             )  # [batch or 1, heads, q, past + q], [batch or 1, q, past + q], [batch, heads, q, S]
         slots = self_cache.open_slots(hidden_states, self.num_heads) if self_cache is not None else None
+        if self_cache is not None and not torch.is_grad_enabled() and not any(past_key_values.is_updated.values()):
+            self.cache_cross_key_values(encoder_outputs.last_hidden_state, past_key_values)
 
         layers = layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training)
         exit_layers = torch.full((batch,), len(layers), dtype=torch.long, device=input_ids.device)
@@ -1192,8 +1220,10 @@ class OFADecoder(nn.Module):
         states, self_attentions, cross_attentions, exit_states = [hidden_states], [], [], []
         for count, idx in enumerate(layers, start=1):
             rows = all_rows if active is None else active.index
-            if self_cache is not None and self_cache.frontier is not None:
-                self.catch_up(idx, rows, past_key_values, positions, position_ids, attention_mask, encoder_outputs)
+            if self_cache is not None:  # earlier tokens' empty slots in this layer, before it reads them
+                self_cache.fill_skipped(idx)
+                if self_cache.frontier is not None:
+                    self.catch_up(idx, rows, past_key_values, positions, position_ids, attention_mask, encoder_outputs)
             previous = hidden_states
             self_bias = self.layer_self_bias(idx, self_absolute, buckets)
             hidden_states, self_weights, cross_weights = self.layers[idx](
@@ -1271,12 +1301,12 @@ class OFADecoder(nn.Module):
             cross_bias, query_mask = cross_bias[keep], select_rows(query_mask, keep)
         if final is not None:  # the rows still running at the end, or the last ones to stop
             final[active.index] = hidden_states
-        if self_cache is not None and exit_outputs is not None:  # the skipped layers' slots, once for the step
+        if self_cache is not None and exit_outputs is not None:  # the skipped layers' slots, filled when read
             project = self.skipped_key_values
             if self_cache.kv_strategy == "propagate" and not torch.is_grad_enabled():
                 folded = self_cache.derived("folded_key_value_projections", self.folded_key_value_projections)
                 project = functools.partial(project, folded=folded)
-            self_cache.fill_skipped(exit_layers, slots, exit_outputs, project)
+            self_cache.record_skipped(exit_layers, slots, exit_outputs, project)
         if exit_settings is not None:
             exit_settings.record.decoder_steps.append(exit_layers)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from hf_earlyexit.modeling.early_exit_cache import KV_STRATEGIES
+from hf_earlyexit.modeling.early_exit_cache import KV_STRATEGIES, EarlyExitCache
 from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, ExitController, FixedLayerExit
 from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings
 from tests.helpers import tiny_inputs, tiny_model
@@ -140,6 +140,11 @@ def test_propagate_fills_skipped_layers_with_their_projections_of_the_exited_sta
     # Every token exits after layer 1, whose output a teacher-forced pass reproduces (layer 1 always runs).
     _, states = full_depth_cache(model, inputs, tokens)
     ours = cache.self_attention_cache
+    # No token ran deeper than an earlier one, so no skipped slot was read, and none was filled yet.
+    assert len(ours.skipped) == 6
+    assert all(not bool(ours.layers[layer].keys.any()) for layer in range(1, DEPTH))
+    ours.fill_skipped()
+    assert ours.skipped == []
     with torch.no_grad():
         for layer in range(1, DEPTH):
             key, value = model.decoder.layers[layer].self_key_values(states[1])
@@ -147,9 +152,20 @@ def test_propagate_fills_skipped_layers_with_their_projections_of_the_exited_sta
             torch.testing.assert_close(ours.layers[layer].values, value, rtol=0, atol=1e-5)
 
 
+def test_cropping_the_cache_forgets_the_skipped_slots_it_removes(model):
+    settings = EarlyExitSettings(decoder=FixedLayerExit(1), kv_strategy="propagate")
+    _, cache = decode_with_cache(model, batch_of(2), settings)
+    ours = cache.self_attention_cache
+    ours.crop(-2)
+    assert [step.slots for step in ours.skipped] == [slice(position, position + 1) for position in range(4)]
+    ours.fill_skipped()
+    assert ours.layers[DEPTH - 1].keys.shape[2] == 4 and bool(ours.layers[DEPTH - 1].keys.abs().sum(-1).all())
+
+
 def test_copy_fills_skipped_layers_with_the_exit_layers_keys_and_values(model):
     settings = EarlyExitSettings(decoder=mixed_exits(), kv_strategy="copy")
     _, cache = decode_with_cache(model, batch_of(4), settings)
+    cache.self_attention_cache.fill_skipped()  # the last step's slots: no later token read them
     exits = torch.stack(settings.record.decoder_steps, dim=1)  # [rows, steps]
     layers = cache.self_attention_cache.layers
     for row in range(exits.shape[0]):
@@ -204,7 +220,8 @@ def test_exit_layers_count_the_layer_calls_that_ran(model, strategy):
 
 def test_propagate_projects_once_per_step_whatever_the_rows(model):
     """Rows leaving at layers 1, 2 and 3 skip layers {2, 3, 4}, {3, 4} and {4}: one projection call a step, from the
-    first skipped layer, not one per row and layer, so a larger batch adds no projection calls."""
+    first skipped layer, not one per row and layer, so a larger batch adds no projection calls. The last step's
+    slots are never read, so never projected."""
     projected: list[tuple[int, int]] = []
     original = model.decoder.skipped_key_values
 
@@ -218,8 +235,44 @@ def test_propagate_projects_once_per_step_whatever_the_rows(model):
         out = generate(model, batch_of(4), "greedy", exit_controller=mixed_exits(), kv_strategy="propagate")
     finally:
         del model.decoder.skipped_key_values
-    firsts = [min(step) for step in out.exit_layers.T.tolist() if min(step) < DEPTH]
+    firsts = [min(step) for step in out.exit_layers.T.tolist()[:-1] if min(step) < DEPTH]
     assert projected == [(first, DEPTH - first) for first in firsts]
+
+
+@pytest.mark.parametrize("strategy", ["propagate", "copy"])
+def test_skipped_slots_are_filled_only_when_a_later_token_runs_their_layer(model, strategy, monkeypatch):
+    """Tokens that stop no deeper than the ones before never read a skipped slot: nothing is projected or copied."""
+    filled: list[int] = []
+    fill_step = EarlyExitCache.fill_step
+    monkeypatch.setattr(
+        EarlyExitCache, "fill_step", lambda cache, step: (filled.append(step.shallowest), fill_step(cache, step))
+    )
+    shallower = FixedLayerExit(lambda state: torch.full_like(state.rows, max(1, 3 - state.step)))  # 3, 2, 1, 1, ...
+    out = generate(model, batch_of(2), "greedy", exit_controller=shallower, kv_strategy=strategy)
+    assert out.exit_layers[:, :3].tolist() == [[3, 2, 1]] * 2
+    assert filled == []
+    alternating = FixedLayerExit(lambda state: torch.full_like(state.rows, 1 + state.step % 2))  # 1, 2, 1, 2, ...
+    generate(model, batch_of(2), "greedy", exit_controller=alternating, kv_strategy=strategy)
+    assert filled == [1, 1, 1]  # the steps at layer 1, each read by the next step's layer 2; never those at 2
+
+
+@pytest.mark.parametrize("strategy", ["propagate", "copy"])
+def test_filling_skipped_slots_late_changes_no_output_under_beam_reordering(model, strategy, monkeypatch):
+    """Filling each step's skipped slots at once (before the beams are reordered) gives the same beams and scores
+    as filling them when read."""
+    late = generate(model, batch_of(2), "beam", exit_controller=mixed_exits(), kv_strategy=strategy)
+    record_skipped = EarlyExitCache.record_skipped
+
+    def at_once(cache, *args):
+        record_skipped(cache, *args)
+        cache.fill_skipped()
+
+    monkeypatch.setattr(EarlyExitCache, "record_skipped", at_once)
+    eager = generate(model, batch_of(2), "beam", exit_controller=mixed_exits(), kv_strategy=strategy)
+    assert torch.equal(late.sequences, eager.sequences)
+    assert torch.equal(late.exit_layers, eager.exit_layers)
+    for ours, theirs in zip(late.scores, eager.scores, strict=True):  # rows projected in other groupings: rounding
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
 def test_propagate_folds_each_layers_layer_norm_into_its_projections(model):
