@@ -135,14 +135,16 @@ class EarlyExitCache(DynamicCache):
         layers each row ran (the depth: none skipped); `exit_outputs` [batch, q, d] holds the output of its last
         layer for the rows that stopped early. `project(first, hidden)` gives the K/V of hidden states in each layer
         from `first` to the last. One host sync per step."""
-        shallowest = min(layers_run.tolist())
+        ran = layers_run.tolist()
+        shallowest = min(ran)
         if shallowest >= self.num_layers:
             return
         if self.kv_strategy == "recompute":
-            rows = (layers_run < self.num_layers).nonzero().squeeze(1)
+            exited = [row for row, count in enumerate(ran) if count < self.num_layers]
+            rows = torch.tensor(exited, device=layers_run.device)
             self.frontier[rows, slots] = layers_run[rows, None]  # each waits for the first layer it skipped
             self.pending[rows, slots] = exit_outputs[rows].to(self.pending.dtype)
-            self.waiting_layers.update(set(layers_run[rows].tolist()))
+            self.waiting_layers.update(ran[row] for row in exited)
             return
         self.skipped.append(SkippedSlots(slots, layers_run, exit_outputs, shallowest, project))
 
@@ -150,12 +152,13 @@ class EarlyExitCache(DynamicCache):
         """`propagate` / `copy`: fill the recorded steps that left layer `layer_idx` empty for a row, each in all the
         layers it skipped (None: every recorded step). The decoder asks before each layer it runs; a few Python
         comparisons when nothing is due."""
-        due = [step for step in self.skipped if layer_idx is None or step.shallowest <= layer_idx]
-        if not due:
-            return
-        for step in due:
-            self.fill_step(step)
-        self.skipped = [step for step in self.skipped if not any(step is done for done in due)]
+        due, waiting = [], []
+        for step in self.skipped:
+            (due if layer_idx is None or step.shallowest <= layer_idx else waiting).append(step)
+        if due:
+            self.skipped = waiting
+            for step in due:
+                self.fill_step(step)
 
     def fill_step(self, step: SkippedSlots) -> None:
         """Fill one step's empty slots: one projection (propagate) or one copy per exit depth and skipped layer,
@@ -254,10 +257,8 @@ class EarlyExitCache(DynamicCache):
         self.skipped = [step for step in self.skipped if step.slots.start < length]
         for step in self.skipped:  # a step that straddles the new end keeps its first positions
             stop = min(step.slots.stop, length)
-            step.slots, step.exit_outputs = (
-                slice(step.slots.start, stop),
-                step.exit_outputs[:, : stop - step.slots.start],
-            )
+            step.exit_outputs = step.exit_outputs[:, : stop - step.slots.start]
+            step.slots = slice(step.slots.start, stop)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)

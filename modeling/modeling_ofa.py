@@ -136,6 +136,17 @@ def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)
 
 
+def split_layer_key_values(
+    projected: torch.Tensor, num_heads: int, d_model: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A stacked projection [batch, length, layers * 2 * d_model] (per layer k then v) -> per layer (K, V), views of
+    it, [batch, heads, length, head_dim] each."""
+    batch, length = projected.shape[:2]
+    # -> [layers, k/v, batch, heads, length, head_dim]
+    per_layer = projected.view(batch, length, -1, 2, num_heads, d_model // num_heads).permute(2, 3, 0, 4, 1, 5)
+    return list(zip(per_layer[:, 0], per_layer[:, 1], strict=True))
+
+
 def optional_layer_norm(enabled: bool, width: int) -> nn.Module:
     return nn.LayerNorm(width) if enabled else nn.Identity()
 
@@ -1080,11 +1091,9 @@ class OFADecoder(nn.Module):
         weight, bias = past_key_values.self_attention_cache.derived(
             "cross_key_value_projections", self.cross_key_value_projections
         )
-        batch, length, d = encoder_hidden_states.shape
         projected = F.linear(encoder_hidden_states, weight, bias)  # [batch, S, layers * 2 * d]
-        # -> [layers, k/v, batch, heads, S, head_dim]
-        per_layer = projected.view(batch, length, -1, 2, self.num_heads, d // self.num_heads).permute(2, 3, 0, 4, 1, 5)
-        for layer_idx, (key, value) in enumerate(per_layer):
+        key_values = split_layer_key_values(projected, self.num_heads, self.config.d_model)
+        for layer_idx, (key, value) in enumerate(key_values):
             past_key_values.cross_attention_cache.update(key, value, layer_idx)
             past_key_values.is_updated[layer_idx] = True
 
@@ -1099,10 +1108,7 @@ class OFADecoder(nn.Module):
         d, norm = self.config.d_model, self.layers[first].self_attn_layer_norm
         normalized = F.layer_norm(hidden_states, norm.normalized_shape, eps=norm.eps)
         projected = F.linear(normalized, folded[0][first * 2 * d :], folded[1][first * 2 * d :])
-        rows, length = projected.shape[:2]
-        # [rows, q, layers * 2 * d] -> [layers, k/v, rows, heads, q, head_dim]: every layer's K and V are views.
-        per_layer = projected.view(rows, length, -1, 2, self.num_heads, d // self.num_heads).permute(2, 3, 0, 4, 1, 5)
-        return list(zip(per_layer[:, 0], per_layer[:, 1], strict=True))
+        return split_layer_key_values(projected, self.num_heads, d)
 
     def catch_up(
         self,
