@@ -199,6 +199,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         learn_then_test,
         pareto_frontier,
         sweep,
+        with_encoder_min_exit_layer,
         write_generation_defaults,
     )
     from .plots import tradeoff_plot
@@ -228,9 +229,10 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
             "learn_then_test": None if guaranteed is None else guaranteed.settings,
         }
     chosen = fastest_for_every_task(sweeps, args.tolerance)
-    report["chosen"] = chosen
+    chosen_points = []
     for name, (full, points) in sweeps.items():
         point = next((p for p in points if p.settings == chosen), None)
+        chosen_points.append(point)
         report["tasks"][name]["chosen"] = None if point is None else {
             "quality": point.quality,
             "quality_ratio": point.quality / full.quality if full.quality else None,
@@ -240,6 +242,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         }  # fmt: skip
     if args.plot:
         report["plot"] = str(tradeoff_plot(sweeps, args.plot, chosen))
+    if chosen is not None:
+        chosen = with_encoder_min_exit_layer(chosen, chosen_points)
+    report["chosen"] = chosen
     if args.write:
         if chosen is None:
             raise ValueError(

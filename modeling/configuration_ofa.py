@@ -122,6 +122,8 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         encoder_image_exit_threshold / encoder_text_exit_threshold: the same per stream of a decomposed encoder.
         kv_strategy: what skipped decoder layers get in the cache: "propagate", "copy" or "recompute".
         min_exit_layer: the first decoder layer (1-based) a token may exit after.
+        encoder_min_exit_layer: the first encoder layer (1-based) the joint encoder or a stream may exit after; no
+            exit test runs below it (calibration sets it to the shallowest exit it saw, so no test is wasted).
 
     Exit heads (trained modules that map a decoder layer's output to the input of the shared final LayerNorm and
     output projection; with neither field set, every layer uses the shared head directly, as MuE does):
@@ -185,6 +187,7 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     encoder_text_exit_threshold: float | None = None
     kv_strategy: str = "propagate"
     min_exit_layer: int = 1
+    encoder_min_exit_layer: int = 1
     exit_adapter_dim: int | None = None
     exit_transformer_layers: list[int] | None = None
 

@@ -29,6 +29,7 @@ EXIT_KNOBS: dict[str, Any] = {
     "encoder_text_exit_threshold": None,
     "kv_strategy": "propagate",
     "min_exit_layer": 1,
+    "encoder_min_exit_layer": 1,
 }
 # Parts a controller can be given for, through `exit_controller={part: controller}`.
 ENCODER_PARTS = ("encoder", "encoder_image", "encoder_text")
@@ -50,8 +51,8 @@ class ExitRecord:
 @dataclass
 class EarlyExitSettings:
     """The resolved exit plan of one call: a controller per part (None: that part runs in full), the KV strategy
-    for skipped decoder layers, the first decoder layer allowed to exit, and the decoding length the threshold
-    schedules decay over."""
+    for skipped decoder layers, the first decoder and encoder layers allowed to exit, and the decoding length the
+    threshold schedules decay over."""
 
     decoder: ExitController | None = None
     encoder: ExitController | None = None
@@ -59,6 +60,7 @@ class EarlyExitSettings:
     encoder_text: ExitController | None = None
     kv_strategy: str = "propagate"
     min_exit_layer: int = 1
+    encoder_min_exit_layer: int = 1
     max_steps: int = 1
     record: ExitRecord = field(default_factory=ExitRecord)
 
@@ -93,7 +95,11 @@ class EarlyExitSettings:
                 raise ValueError(f"`exit_controller` for {part!r} must be callable, got {type(controller).__name__}.")
         check_encoder_parts(set(controllers), config)
         return cls(
-            **controllers, kv_strategy=value["kv_strategy"], min_exit_layer=value["min_exit_layer"], max_steps=max_steps
+            **controllers,
+            kv_strategy=value["kv_strategy"],
+            min_exit_layer=value["min_exit_layer"],
+            encoder_min_exit_layer=value["encoder_min_exit_layer"],
+            max_steps=max_steps,
         )
 
     @property
@@ -119,13 +125,12 @@ def check_scalar_knobs(value: dict[str, Any], config: PreTrainedConfig) -> None:
     ):
         if value[name] not in choices:
             raise ValueError(f"Unknown `{name}` {value[name]!r}; choose one of {choices}.")
-    min_exit_layer = value["min_exit_layer"]
-    if isinstance(min_exit_layer, bool) or not isinstance(min_exit_layer, int):
-        raise ValueError(f"`min_exit_layer` must be an integer, got {min_exit_layer!r}.")
-    if not 1 <= min_exit_layer <= config.decoder_layers:
-        raise ValueError(
-            f"`min_exit_layer` must lie in [1, {config.decoder_layers}] (the decoder's depth), got {min_exit_layer}."
-        )
+    for name, part in (("min_exit_layer", "decoder"), ("encoder_min_exit_layer", "encoder")):
+        layer, depth = value[name], getattr(config, f"{part}_layers")
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise ValueError(f"`{name}` must be an integer, got {layer!r}.")
+        if not 1 <= layer <= depth:
+            raise ValueError(f"`{name}` must lie in [1, {depth}] (the {part}'s depth), got {layer}.")
     for name in ("exit_threshold", *(f"{part}_exit_threshold" for part in ENCODER_PARTS)):
         threshold = value[name]
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):

@@ -660,13 +660,14 @@ class OFAEncoder(nn.Module):
         controller: ExitController | None = None,
         part: str = "encoder",
         real_tokens: torch.Tensor | None = None,
+        min_exit_layer: int = 1,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """The given layers over one sequence (joint, or one modality stream).
 
         Returns the output per row [batch, S, d], each layer's states and attentions (meaningful without exits),
         and the layers each row ran [batch]. With a `controller`, a row that stops leaves the batch and the layers
-        after run on the remaining rows only. `real_tokens` [batch, S] (True = not padding) is what the
-        controller compares.
+        after run on the remaining rows only, and it is first asked after layer `min_exit_layer`. `real_tokens`
+        [batch, S] (True = not padding) is what the controller compares.
         """
         batch = hidden_states.shape[0]
         states, attentions = [hidden_states], []
@@ -678,7 +679,7 @@ class OFAEncoder(nn.Module):
             hidden_states, weights = self.layers[idx](hidden_states, bias, output_attentions)
             states.append(hidden_states)
             attentions.append(weights)
-            if controller is None or count == len(layers):
+            if controller is None or count == len(layers) or count < min_exit_layer:
                 continue
             state = ExitState(part, count, 0, hidden_states, previous, rows, len(layers), attention_mask=real_tokens)
             stop = checked_decision(controller(state), state, controller)
@@ -719,6 +720,7 @@ class OFAEncoder(nn.Module):
         controllers = {
             part: getattr(exit_settings, part, None) for part in ("encoder", "encoder_image", "encoder_text")
         }
+        min_exit_layer = exit_settings.encoder_min_exit_layer if exit_settings is not None else 1
         if any(controllers.values()) and (output_attentions or output_hidden_states):
             raise ValueError("`output_attentions` / `output_hidden_states` are not available with encoder exits.")
         parts, positions, paddings = [], [], []
@@ -771,6 +773,7 @@ class OFAEncoder(nn.Module):
                 controllers["encoder"],
                 "encoder",
                 ~padding,
+                min_exit_layer,
             )
             # Both columns (image, text) hold the joint encoder's layers; a missing modality ran none.
             exit_layers = exit_layers[:, None] * torch.tensor(
@@ -790,6 +793,7 @@ class OFAEncoder(nn.Module):
                     False,
                     controllers["encoder_image"],
                     "encoder_image",
+                    min_exit_layer=min_exit_layer,
                 )
                 if num_image
                 else None,
@@ -804,6 +808,7 @@ class OFAEncoder(nn.Module):
                     controllers["encoder_text"],
                     "encoder_text",
                     ~padding[:, num_image:] if bool(padding.any()) else None,  # None: no pad to leave out
+                    min_exit_layer,
                 )
                 if text_length
                 else None,

@@ -13,6 +13,7 @@ from hf_earlyexit.calibration import (
     hoeffding_p_value,
     learn_then_test,
     pareto_frontier,
+    with_encoder_min_exit_layer,
     write_generation_defaults,
 )
 from tests.helpers import tiny_inputs, tiny_model
@@ -85,6 +86,16 @@ def test_one_setting_for_every_task_is_the_fastest_within_tolerance_on_all():
     assert chosen == {"exit_threshold": 0.9}
     assert fastest_for_every_task({"vqa": vqa}, 0.01) == fastest_within_tolerance(vqa[1], 0.80, 0.01).settings
     assert fastest_for_every_task({"caption": (OperatingPoint({}, 1.0, 0.0), captions[:1])}, 0.01) is None
+
+
+def test_the_encoder_min_exit_layer_is_the_shallowest_exit_on_any_task():
+    settings = {"exit_threshold": 0.9, "encoder_text_exit_threshold": 0.95}
+    swept = [OperatingPoint(settings, 0.8, 0.3, shallowest_encoder_exit=3), OperatingPoint(settings, 0.9, 0.2, None)]
+    with pytest.raises(ValueError, match="shallowest encoder exit"):
+        with_encoder_min_exit_layer(settings, swept)
+    swept[1].shallowest_encoder_exit = 2
+    assert with_encoder_min_exit_layer(settings, swept) == {**settings, "encoder_min_exit_layer": 2}
+    assert with_encoder_min_exit_layer({"exit_threshold": 0.9}, swept) == {"exit_threshold": 0.9}  # no encoder exit
 
 
 def test_grid_covers_each_decoder_policy_and_encoder_stream():

@@ -149,6 +149,9 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     assert report["points"] == 3 * 2 * 2 - 1 and set(report["tasks"]) == {"vqa", "caption"}
     chosen = report["chosen"]
     assert chosen is not None and all(report["tasks"][task]["chosen"] for task in ("vqa", "caption"))
+    # Threshold -1 stops a stream after its first layer, so no encoder exit test is skipped.
+    encoder_exits = any(name.startswith("encoder") and name.endswith("exit_threshold") for name in chosen)
+    assert chosen.get("encoder_min_exit_layer") == (1 if encoder_exits else None)
     saved = json.loads((task_model_dir / "generation_config.json").read_text())
     assert all(saved[name] == value for name, value in chosen.items())
     assert json.loads((task_model_dir / "calibration.json").read_text())["chosen"] == chosen

@@ -358,6 +358,26 @@ def test_decomposed_encoder_streams_exit_on_their_own_per_row():
     assert out.encoder_exit_layers.tolist() == [[1, 3], [1, 3]]
 
 
+def test_encoder_min_exit_layer_skips_the_tests_below_it():
+    model = tiny_model(encoder_layers=4, decompose_encoder_modalities=True)
+    asked = []
+
+    def always(state):
+        asked.append((state.part, state.layer))
+        return torch.ones_like(state.rows, dtype=torch.bool)
+
+    settings = EarlyExitSettings(encoder_image=always, encoder_text=always, encoder_min_exit_layer=3)
+    with torch.no_grad():
+        exited = model.get_encoder()(**batch_of(2), exit_settings=settings)
+    assert exited.exit_layers.tolist() == [[3, 3], [3, 3]]
+    assert asked == [("encoder_image", 3), ("encoder_text", 3)]
+    out = model.generate(
+        **batch_of(2), max_new_tokens=3, encoder_text_exit_threshold=-1.0, encoder_min_exit_layer=2,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert out.encoder_exit_layers.tolist() == [[4, 2], [4, 2]]
+
+
 # --- knobs, defaults and bad input ----------------------------------------------------------------------------------
 
 
@@ -392,6 +412,8 @@ def test_defaults_come_from_the_config_and_the_generation_config_and_survive_sav
         (dict(kv_strategy="share"), "kv_strategy"),
         (dict(min_exit_layer=0), "min_exit_layer"),
         (dict(min_exit_layer=DEPTH + 1), "min_exit_layer"),
+        (dict(encoder_min_exit_layer=0), "encoder_min_exit_layer"),
+        (dict(encoder_min_exit_layer=2.0), "encoder_min_exit_layer"),
         (dict(encoder_exit_threshold=1.2), "encoder_exit_threshold"),
         (dict(encoder_image_exit_threshold=0.9), "decompose_encoder_modalities"),
         (dict(exit_controller={"decodr": FixedLayerExit(1)}), "decodr"),
