@@ -13,7 +13,8 @@ thresholds into the model's generation defaults.
     python examples/train_embedded_model.py --init-from /tmp/phase1 --output-dir hf_earlyexit/embedded_model \
         --max-steps 2500 --learning-rate 3e-4 --warmup-steps 100 --seed 1 --workers 14 \
         --mixture vqa=0.14,entailment=0.6,caption=0.2,easy_vqa_caption=0.06
-    hf-earlyexit calibrate hf_earlyexit/embedded_model --plot hf_earlyexit/embedded_model/tradeoff.png --write
+    hf-earlyexit calibrate hf_earlyexit/embedded_model --samples 590 --plot hf_earlyexit/embedded_model/tradeoff.png \
+        --write
 """
 
 import argparse
