@@ -15,7 +15,7 @@ from typing import Any
 
 from .evaluation import TaskInputs, disagreement, run_task, score
 from .measures import PartCosts, expected_time_reduction
-from .modeling.generation_early_exit import EXIT_KNOBS, EarlyExitSettings
+from .modeling.generation_early_exit import ENCODER_PARTS, EXIT_KNOBS, EarlyExitSettings
 
 # The default grid: the decoder's policies with their thresholds, and the encoder streams' similarity thresholds.
 # The encoder's reach down to 0.9: on the embedded model a stream's layer-2 output is 0.88-0.94 similar to its
@@ -176,7 +176,7 @@ def with_encoder_min_exit_layer(settings: dict[str, Any], points: Sequence[Opera
     """`settings` plus `encoder_min_exit_layer`, the shallowest encoder exit in `points` (`settings` swept on each
     task): no exit test below it stopped a calibration sample, so skipping those tests changes nothing there and
     saves their time. `settings` unchanged when it has no encoder exit."""
-    if not any(name.startswith("encoder") and name.endswith("_exit_threshold") for name in settings):
+    if not any(f"{part}_exit_threshold" in settings for part in ENCODER_PARTS):
         return settings
     shallowest = [point.shallowest_encoder_exit for point in points if point.shallowest_encoder_exit is not None]
     if len(shallowest) != len(points):

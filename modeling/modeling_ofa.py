@@ -773,7 +773,7 @@ class OFAEncoder(nn.Module):
                 controllers["encoder"],
                 "encoder",
                 ~padding,
-                min_exit_layer,
+                min_exit_layer=min_exit_layer,
             )
             # Both columns (image, text) hold the joint encoder's layers; a missing modality ran none.
             exit_layers = exit_layers[:, None] * torch.tensor(
@@ -808,7 +808,7 @@ class OFAEncoder(nn.Module):
                     controllers["encoder_text"],
                     "encoder_text",
                     ~padding[:, num_image:] if bool(padding.any()) else None,  # None: no pad to leave out
-                    min_exit_layer,
+                    min_exit_layer=min_exit_layer,
                 )
                 if text_length
                 else None,
