@@ -32,7 +32,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 from .configuration_ofa import PATCH_STEM, RESNET_LAYERS, OFAEarlyExitConfig
 from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitController, ExitState, checked_decision
-from .generation_early_exit import EXIT_KNOBS, EarlyExitGenerationMixin, EarlyExitSettings, new_cache
+from .generation_early_exit import ENCODER_PARTS, EXIT_KNOBS, EarlyExitGenerationMixin, EarlyExitSettings, new_cache
 
 # ---------------------------------------------------------------------------------------------------------------
 # Positions
@@ -717,10 +717,8 @@ class OFAEncoder(nn.Module):
         decomposed = self.config.decompose_encoder_modalities
         if output_attentions and decomposed:
             raise ValueError("`output_attentions` is not available with `decompose_encoder_modalities=True`.")
-        controllers = {
-            part: getattr(exit_settings, part, None) for part in ("encoder", "encoder_image", "encoder_text")
-        }
-        min_exit_layer = exit_settings.encoder_min_exit_layer if exit_settings is not None else 1
+        controllers = {part: getattr(exit_settings, part, None) for part in ENCODER_PARTS}
+        min_exit_layer = getattr(exit_settings, "encoder_min_exit_layer", 1)
         if any(controllers.values()) and (output_attentions or output_hidden_states):
             raise ValueError("`output_attentions` / `output_hidden_states` are not available with encoder exits.")
         parts, positions, paddings = [], [], []
