@@ -67,6 +67,7 @@ general captioner.
 
 ```python
 from transformers import AutoModel, AutoProcessor
+
 model = AutoModel.from_pretrained(path, trust_remote_code=True)
 processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
 inputs = processor(images=image, text=" what does the image describe?", return_tensors="pt")
