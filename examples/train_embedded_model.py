@@ -38,6 +38,7 @@ PACKAGE_MODEL = Path(__file__).resolve().parents[1] / "hf_earlyexit" / "embedded
 # Entailment is weighted far above its size (5,248 rows), yet it ends this phase at 50-70%; the later phases
 # (weights 0.6, then 0.7) take it to 96% on validation.
 MIXTURE = {"vqa": 0.25, "entailment": 0.3, "caption": 0.35, "easy_vqa_caption": 0.1}
+LABELS = ("colour", "shape")  # what the image stream's pre-training predicts: words 1 and 2 of easy-VQA's captions
 
 
 MODEL_CARD = """---
@@ -91,22 +92,20 @@ def pretrain_image_stream(
     device = model.device
     encoder = model.get_encoder()
 
-    def images_and_labels(split: str) -> tuple[torch.Tensor, list[str], list[str]]:
+    def images_and_words(split: str) -> tuple[torch.Tensor, dict[str, list[str]]]:
         rows = easy_vqa_caption_rows(split)  # targets read "a <colour> <shape>"
         pixels = processor.image_processor(list(rows["image"]), return_tensors="pt")["pixel_values"]
-        words = [target.split() for target in rows["target"]]
-        colour, shape = ([row[i] for row in words] for i in (1, 2))
-        return pixels.to(device), colour, shape
+        words = {kind: [target.split()[i] for target in rows["target"]] for i, kind in enumerate(LABELS, start=1)}
+        return pixels.to(device), words
 
-    pixels, colours, shapes = images_and_labels("train")
-    held_pixels, held_colours, held_shapes = images_and_labels("validation")
-    names = {"colour": sorted(set(colours)), "shape": sorted(set(shapes))}
+    pixels, words = images_and_words("train")
+    held_pixels, held_words = images_and_words("validation")
+    names = {kind: sorted(set(values)) for kind, values in words.items()}
 
-    def label(values: list[str], kind: str) -> torch.Tensor:
-        return torch.tensor([names[kind].index(value) for value in values], device=device)
+    def label(by_kind: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+        return {kind: torch.tensor([names[kind].index(v) for v in by_kind[kind]], device=device) for kind in LABELS}
 
-    labels = {"colour": label(colours, "colour"), "shape": label(shapes, "shape")}
-    held_labels = {"colour": label(held_colours, "colour"), "shape": label(held_shapes, "shape")}
+    labels, held_labels = label(words), label(held_words)
     heads = nn.ModuleDict({kind: nn.Linear(model.config.d_model, len(names[kind])) for kind in names}).to(device)
     optimizer = torch.optim.AdamW([*encoder.parameters(), *heads.parameters()], lr=3e-4, weight_decay=0.0)
     generator = torch.Generator(device="cpu").manual_seed(seed)
