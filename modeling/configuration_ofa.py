@@ -9,13 +9,53 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
-from .generation_early_exit import EXIT_KNOBS, check_scalar_knobs
+from .exit_knobs import EXIT_KNOBS, check_knobs
 
 # Bottleneck blocks in ResNet stages 1..3 (OFA drops stage 4 and reads stage 3's 1024 channels).
 RESNET_LAYERS = {"resnet50": (3, 4, 6), "resnet101": (3, 4, 23), "resnet152": (3, 8, 36)}
 # A light stem for small models (two strided convolutions, stride 16 like the ResNets); not an OFA stem.
 PATCH_STEM = "patch"
 IMAGE_STEMS = (*RESNET_LAYERS, PATCH_STEM)
+
+# Validation tables: each field's rule, checked by `validate_architecture` with a message that names the field.
+POSITIVE_FIELDS = (
+    "vocab_size",
+    "max_position_embeddings",
+    "d_model",
+    "encoder_layers",
+    "decoder_layers",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "image_bucket_size",
+    "code_image_size",
+)
+RATE_FIELDS = (
+    "encoder_layerdrop",
+    "decoder_layerdrop",
+    "encoder_drop_path_rate",
+    "decoder_drop_path_rate",
+    "resnet_drop_path_rate",
+    "dropout",
+    "attention_dropout",
+    "activation_dropout",
+)
+# Field -> why only its default is supported.
+FIXED_FIELDS = {
+    "encoder_normalize_before": (
+        True,
+        "`encoder_normalize_before=False` (post-LN) is not supported: OFA layers are pre-LN.",
+    ),
+    "decoder_normalize_before": (
+        True,
+        "`decoder_normalize_before=False` (post-LN) is not supported: OFA layers are pre-LN.",
+    ),
+    "entangle_position_embedding": (
+        False,
+        "`entangle_position_embedding=True` is not supported: OFA keeps positions in the biases.",
+    ),
+}
 
 PRESETS = {
     "tiny": dict(
@@ -135,6 +175,9 @@ class OFAEarlyExitConfig(PreTrainedConfig):
             layers.
     """
 
+    # Named choices (`resnet_type`, `exit_policy`, `exit_threshold_schedule`, `kv_strategy`) are typed `str` and checked
+    # in `__post_init__`: typed `Literal`, `@strict` would refuse a bad value with its own error instead of the
+    # ValueError naming the field that every bad input here gets. Their `Literal` types live in `exit_knobs`.
     model_type = "ofa_early_exit"
     keys_to_ignore_at_inference = ["past_key_values"]
     attribute_map = {
@@ -202,7 +245,7 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         # Check here too: `@strict` wraps validator errors in its own (non-ValueError) exception type.
         self.validate_architecture()
-        check_scalar_knobs({name: getattr(self, name, default) for name, default in EXIT_KNOBS.items()}, self)
+        check_knobs({name: getattr(self, name, default) for name, default in EXIT_KNOBS.items()}, self)
         super().__post_init__(**kwargs)
 
     @classmethod
@@ -225,40 +268,24 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         return 256 if self.resnet_type == PATCH_STEM else 1024
 
     def validate_architecture(self):
-        """Part of `@strict` validation: every message names the offending field."""
-        positive = (
-            "vocab_size",
-            "max_position_embeddings",
-            "d_model",
-            "encoder_layers",
-            "decoder_layers",
-            "encoder_ffn_dim",
-            "decoder_ffn_dim",
-            "encoder_attention_heads",
-            "decoder_attention_heads",
-            "image_bucket_size",
-            "code_image_size",
-        )
-        for name in positive:
+        """Part of `@strict` validation, by the tables above and the rules that tie fields together; every message
+        names the offending field."""
+        for name in POSITIVE_FIELDS:
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)}.")
+        for name in RATE_FIELDS:
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"`{name}` must lie in [0, 1], got {getattr(self, name)}.")
+        for name, (supported, message) in FIXED_FIELDS.items():
+            if getattr(self, name) != supported:
+                raise ValueError(message)
+        for name in ("attn_scale_factor", "init_std"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}.")
         for side in ("encoder", "decoder"):
             heads = getattr(self, f"{side}_attention_heads")
             if self.d_model % heads:
                 raise ValueError(f"`d_model` ({self.d_model}) must be divisible by `{side}_attention_heads` ({heads}).")
-        rates = (
-            "encoder_layerdrop",
-            "decoder_layerdrop",
-            "encoder_drop_path_rate",
-            "decoder_drop_path_rate",
-            "resnet_drop_path_rate",
-            "dropout",
-            "attention_dropout",
-            "activation_dropout",
-        )
-        for name in rates:
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"`{name}` must lie in [0, 1], got {getattr(self, name)}.")
         if self.resnet_type not in IMAGE_STEMS:
             raise ValueError(f"Unknown `resnet_type` {self.resnet_type!r}; choose one of {list(IMAGE_STEMS)}.")
         if self.activation_function not in ACT2FN:
@@ -267,27 +294,23 @@ class OFAEarlyExitConfig(PreTrainedConfig):
             raise ValueError(
                 f"`token_bucket_size` must lie in [2, 2 * (max_position_embeddings - 1)), got {self.token_bucket_size}."
             )
-        if self.attn_scale_factor <= 0:
-            raise ValueError(f"`attn_scale_factor` must be positive, got {self.attn_scale_factor}.")
-        if self.init_std <= 0:
-            raise ValueError(f"`init_std` must be positive, got {self.init_std}.")
-        for name in ("encoder_normalize_before", "decoder_normalize_before"):
-            if not getattr(self, name):
-                raise ValueError(f"`{name}=False` (post-LN) is not supported: OFA layers are pre-LN.")
+        self.validate_exit_heads()
+
+    def validate_exit_heads(self):
+        """DEED's adapters or BLIPEE's exit layers (not both), on layers before the last."""
         if self.exit_adapter_dim is not None and self.exit_adapter_dim < 1:
             raise ValueError(f"`exit_adapter_dim` must be a positive integer or None, got {self.exit_adapter_dim}.")
         layers = self.exit_transformer_layers
-        if layers is not None:
-            if self.exit_adapter_dim is not None:
-                raise ValueError("Set `exit_adapter_dim` (DEED) or `exit_transformer_layers` (BLIPEE), not both.")
-            increasing = list(layers) == sorted(set(layers))
-            if not layers or not increasing or not 1 <= layers[0] <= layers[-1] < self.decoder_layers:
-                raise ValueError(
-                    "`exit_transformer_layers` must be increasing 1-based decoder layers before the last "
-                    f"(1..{self.decoder_layers - 1}), got {layers}."
-                )
-        if self.entangle_position_embedding:
-            raise ValueError("`entangle_position_embedding=True` is not supported: OFA keeps positions in the biases.")
+        if layers is None:
+            return
+        if self.exit_adapter_dim is not None:
+            raise ValueError("Set `exit_adapter_dim` (DEED) or `exit_transformer_layers` (BLIPEE), not both.")
+        increasing = list(layers) == sorted(set(layers))
+        if not layers or not increasing or not 1 <= layers[0] <= layers[-1] < self.decoder_layers:
+            raise ValueError(
+                "`exit_transformer_layers` must be increasing 1-based decoder layers before the last "
+                f"(1..{self.decoder_layers - 1}), got {layers}."
+            )
 
 
 __all__ = ["OFAEarlyExitConfig"]

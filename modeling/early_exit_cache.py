@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-KV_STRATEGIES = ("propagate", "copy", "recompute")
+from .exit_knobs import KV_STRATEGIES
 
 
 @dataclass

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .exit_knobs import POLICY_NAMES, SCHEDULE_NAMES
+
 
 @dataclass
 class ExitState:
@@ -115,12 +117,10 @@ class CALMSchedule(ThresholdSchedule):
         return min(max(0.9 * self.threshold + 0.1 * math.exp(-self.tau * step / max_steps), 0.0), 1.0)
 
 
-SCHEDULES = {
-    "constant": ConstantSchedule,
-    "mue_decay": MuEPaperSchedule,
-    "mue_official": MuEOfficialSchedule,
-    "calm_decay": CALMSchedule,
-}
+# In the order of `SCHEDULE_NAMES`, the names the knobs accept.
+SCHEDULES = dict(
+    zip(SCHEDULE_NAMES, (ConstantSchedule, MuEPaperSchedule, MuEOfficialSchedule, CALMSchedule), strict=True)
+)
 
 
 def make_schedule(threshold: float | ThresholdSchedule, schedule: str = "constant") -> ThresholdSchedule:
@@ -287,8 +287,7 @@ def checked_decision(decision: torch.Tensor, state: ExitState, controller: ExitC
     return decision if decision.dtype == torch.bool else decision.to(torch.bool)
 
 
-POLICIES = {"similarity": SimilarityExit, "confidence": ConfidenceExit}
-POLICY_NAMES = [*POLICIES, "patience"]
+POLICIES = {"similarity": SimilarityExit, "confidence": ConfidenceExit}  # and "patience", whose threshold is a count
 
 
 def make_controller(
@@ -299,7 +298,7 @@ def make_controller(
     For the patience policy, `exit_threshold` is the patience: how many layers in a row must agree.
     """
     if policy not in POLICY_NAMES:
-        raise ValueError(f"Unknown `exit_policy` {policy!r}; choose one of {POLICY_NAMES}.")
+        raise ValueError(f"Unknown `exit_policy` {policy!r}; choose one of {list(POLICY_NAMES)}.")
     if policy == "patience":
         if isinstance(threshold, bool) or not float(threshold).is_integer():
             raise ValueError(f"`exit_threshold` of the patience policy is a layer count, got {threshold!r}.")
@@ -344,5 +343,4 @@ __all__ = [
     "CALMSchedule",
     "make_controller",
     "make_schedule",
-    "POLICY_NAMES",
 ]

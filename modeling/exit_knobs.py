@@ -1,0 +1,137 @@
+"""The early-exit knobs: their names, types, defaults and checks, and the one place they are resolved.
+
+A knob (`exit_threshold=0.9`, `kv_strategy="copy"`, ...) is looked up in the `generate` call, then in the generation
+config (where calibration writes its choice), then in the model config (the model's own defaults), then here.
+`generate`, the config, the CLI, evaluation, calibration and publishing all go through `resolve_knobs` and
+`check_knobs`; `NO_EXIT` is the one way to ask for the full model whatever the saved defaults say.
+
+A leaf: it imports nothing of the model, so the config and the exit controllers can both read it.
+"""
+
+from typing import Any, Literal, get_args
+
+ExitPolicy = Literal["similarity", "confidence", "patience"]
+ThresholdScheduleName = Literal["constant", "mue_decay", "mue_official", "calm_decay"]
+KVStrategy = Literal["propagate", "copy", "recompute"]
+ExitPart = Literal["decoder", "encoder", "encoder_image", "encoder_text"]
+
+POLICY_NAMES: tuple[str, ...] = get_args(ExitPolicy)
+SCHEDULE_NAMES: tuple[str, ...] = get_args(ThresholdScheduleName)
+KV_STRATEGIES: tuple[str, ...] = get_args(KVStrategy)
+EXIT_PARTS: tuple[str, ...] = get_args(ExitPart)
+# Parts of the encoder a controller can be given for: the joint encoder, or each stream of a decomposed one.
+ENCODER_PARTS: tuple[str, ...] = EXIT_PARTS[1:]
+
+# Knob -> default. All but `exit_controller` (an object) are JSON scalars kept in the config / generation config.
+EXIT_KNOBS: dict[str, Any] = {
+    "exit_threshold": None,
+    "exit_policy": "similarity",
+    "exit_threshold_schedule": "constant",
+    "exit_controller": None,
+    "encoder_exit_threshold": None,
+    "encoder_image_exit_threshold": None,
+    "encoder_text_exit_threshold": None,
+    "kv_strategy": "propagate",
+    "min_exit_layer": 1,
+    "encoder_min_exit_layer": 1,
+}
+# Every knob at its default, i.e. no part exits: passed on top of saved defaults, it asks for the full model.
+NO_EXIT: dict[str, Any] = dict(EXIT_KNOBS)
+
+# Named choices: knob -> its choices.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "exit_policy": POLICY_NAMES,
+    "exit_threshold_schedule": SCHEDULE_NAMES,
+    "kv_strategy": KV_STRATEGIES,
+}
+# Layer knobs: knob -> the config field that bounds it.
+LAYER_BOUNDS: dict[str, str] = {"min_exit_layer": "decoder_layers", "encoder_min_exit_layer": "encoder_layers"}
+# Threshold knobs: knob -> its range (None: the decoder's, checked by its policy's controller).
+THRESHOLD_RANGES: dict[str, tuple[float, float] | None] = {
+    "exit_threshold": None,
+    **{f"{part}_exit_threshold": (-1.0, 1.0) for part in ENCODER_PARTS},  # cosine similarities
+}
+
+
+def check_knobs(values: dict[str, Any], config: Any) -> None:
+    """Type and range checks of the JSON knobs in `values` against `config`'s depths; a ValueError names the knob."""
+    for name, choices in CHOICES.items():
+        if name in values and values[name] not in choices:
+            raise ValueError(f"Unknown `{name}` {values[name]!r}; choose one of {list(choices)}.")
+    for name, depth_field in LAYER_BOUNDS.items():
+        if name not in values:
+            continue
+        layer, depth = values[name], getattr(config, depth_field)
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise ValueError(f"`{name}` must be an integer, got {layer!r}.")
+        if not 1 <= layer <= depth:
+            raise ValueError(f"`{name}` must lie in [1, {depth}] (`{depth_field}`), got {layer}.")
+    for name, bounds in THRESHOLD_RANGES.items():
+        threshold = values.get(name)
+        if threshold is None:
+            continue
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+            raise ValueError(f"`{name}` must be a number or None, got {threshold!r}.")
+        if bounds is not None and not bounds[0] <= threshold <= bounds[1]:
+            raise ValueError(f"`{name}` is a cosine similarity and must lie in {list(bounds)}, got {threshold}.")
+    check_encoder_parts({part for part in ENCODER_PARTS if values.get(f"{part}_exit_threshold") is not None}, config)
+
+
+def check_encoder_parts(parts: set[str], config: Any) -> None:
+    """Per-stream exits need the decomposed encoder; the joint exit needs the joint one."""
+    if config.decompose_encoder_modalities and "encoder" in parts:
+        raise ValueError(
+            "This model's encoder runs image and text as separate streams (`decompose_encoder_modalities=True`): "
+            "use `encoder_image_exit_threshold` / `encoder_text_exit_threshold` instead of `encoder_exit_threshold`."
+        )
+    streams = sorted({"encoder_image", "encoder_text"} & parts)
+    if not config.decompose_encoder_modalities and streams:
+        raise ValueError(
+            f"Exits for {streams} need an encoder that runs image and text as separate streams "
+            "(`decompose_encoder_modalities=True`); this one is joint: use `encoder_exit_threshold`."
+        )
+
+
+def resolve_knobs(config: Any, generation_config: Any = None, **given: Any) -> dict[str, Any]:
+    """Every knob's value: given here, else the generation config's, else the model config's, else the default.
+
+    Raises ValueError on an unknown (e.g. misspelt) knob or a bad value.
+    """
+    unknown = sorted(set(given) - set(EXIT_KNOBS))
+    if unknown:
+        raise ValueError(f"Unknown early-exit knob(s) {unknown}; the knobs are {list(EXIT_KNOBS)}.")
+    values = {}
+    for name, default in EXIT_KNOBS.items():
+        if name in given:
+            values[name] = given[name]
+        elif generation_config is not None and hasattr(generation_config, name):
+            values[name] = getattr(generation_config, name)
+        else:
+            values[name] = getattr(config, name, default)
+    check_knobs(values, config)
+    return values
+
+
+def non_default_knobs(values: dict[str, Any]) -> dict[str, Any]:
+    """The knobs of `values` that differ from their defaults: what a report or a saved setting needs to name."""
+    return {name: value for name, value in values.items() if value != EXIT_KNOBS[name]}
+
+
+__all__ = [
+    "CHOICES",
+    "ENCODER_PARTS",
+    "EXIT_KNOBS",
+    "EXIT_PARTS",
+    "ExitPart",
+    "ExitPolicy",
+    "KVStrategy",
+    "KV_STRATEGIES",
+    "NO_EXIT",
+    "POLICY_NAMES",
+    "SCHEDULE_NAMES",
+    "ThresholdScheduleName",
+    "check_encoder_parts",
+    "check_knobs",
+    "non_default_knobs",
+    "resolve_knobs",
+]
