@@ -1,0 +1,1 @@
+../../modeling/exit_knobs.py
