@@ -268,20 +268,9 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         return 256 if self.resnet_type == PATCH_STEM else 1024
 
     def validate_architecture(self):
-        """Part of `@strict` validation, by the tables above and the rules that tie fields together; every message
-        names the offending field."""
-        for name in POSITIVE_FIELDS:
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)}.")
-        for name in RATE_FIELDS:
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"`{name}` must lie in [0, 1], got {getattr(self, name)}.")
-        for name, (supported, message) in FIXED_FIELDS.items():
-            if getattr(self, name) != supported:
-                raise ValueError(message)
-        for name in ("attn_scale_factor", "init_std"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}.")
+        """Part of `@strict` validation: the fields' own ranges (the tables above), the rules that tie fields together,
+        and the exit heads; every message names the offending field."""
+        self.check_ranges()
         for side in ("encoder", "decoder"):
             heads = getattr(self, f"{side}_attention_heads")
             if self.d_model % heads:
@@ -294,9 +283,24 @@ class OFAEarlyExitConfig(PreTrainedConfig):
             raise ValueError(
                 f"`token_bucket_size` must lie in [2, 2 * (max_position_embeddings - 1)), got {self.token_bucket_size}."
             )
-        self.validate_exit_heads()
+        self.check_exit_heads()
 
-    def validate_exit_heads(self):
+    def check_ranges(self):
+        """Each field of the tables above within its range."""
+        for name in POSITIVE_FIELDS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)}.")
+        for name in RATE_FIELDS:
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"`{name}` must lie in [0, 1], got {getattr(self, name)}.")
+        for name, (supported, message) in FIXED_FIELDS.items():
+            if getattr(self, name) != supported:
+                raise ValueError(message)
+        for name in ("attn_scale_factor", "init_std"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}.")
+
+    def check_exit_heads(self):
         """DEED's adapters or BLIPEE's exit layers (not both), on layers before the last."""
         if self.exit_adapter_dim is not None and self.exit_adapter_dim < 1:
             raise ValueError(f"`exit_adapter_dim` must be a positive integer or None, got {self.exit_adapter_dim}.")

@@ -1,10 +1,11 @@
-"""Early exit in `generate()`: the knobs, the settings they resolve to, and the GenerationMixin override.
+"""Early exit in `generate()`: the settings the knobs resolve to, and the GenerationMixin override.
 
-`generate(exit_threshold=0.9, ...)` takes the knobs of `EXIT_KNOBS`. Each one is looked up in the call's kwargs,
-then in the generation config (where calibration writes its choice), then in the model config (the model's own
-defaults), and all of them become one `EarlyExitSettings`. That object travels to `forward` as the
-`exit_settings` model kwarg on every step, carries the controllers to the encoder and decoder, and records the exit
-layers, which `generate` returns as `exit_layers` / `encoder_exit_layers` with `return_dict_in_generate=True`.
+`generate(exit_threshold=0.9, ...)` takes the knobs of `exit_knobs.EXIT_KNOBS`, resolved there (call, then generation
+config, then model config) into one `EarlyExitSettings`: the plan of the call. It travels to `forward` as the
+`exit_settings` model kwarg on every step and carries the controllers to the encoder and decoder; it is not changed
+during the call. The layers each part ran come back in the model's outputs (`exit_layers`, `encoder_exit_layers`);
+`generate` gathers them step by step as the stock decoding loops hand it each step's outputs, and returns them as
+`exit_layers` / `encoder_exit_layers` with `return_dict_in_generate=True`.
 """
 
 from dataclasses import dataclass, field
@@ -14,38 +15,11 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedConfig
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.generation.utils import GenerateBeamEncoderDecoderOutput, GenerateEncoderDecoderOutput
+from transformers.utils import ModelOutput
 
-from .early_exit_cache import KV_STRATEGIES, EarlyExitCache
-from .exit_controllers import POLICY_NAMES, SCHEDULES, ExitController, SimilarityExit, make_controller
-
-# Knob -> default. All but `exit_controller` (an object) are JSON scalars kept in the config / generation config.
-EXIT_KNOBS: dict[str, Any] = {
-    "exit_threshold": None,
-    "exit_policy": "similarity",
-    "exit_threshold_schedule": "constant",
-    "exit_controller": None,
-    "encoder_exit_threshold": None,
-    "encoder_image_exit_threshold": None,
-    "encoder_text_exit_threshold": None,
-    "kv_strategy": "propagate",
-    "min_exit_layer": 1,
-    "encoder_min_exit_layer": 1,
-}
-# Parts a controller can be given for, through `exit_controller={part: controller}`.
-ENCODER_PARTS = ("encoder", "encoder_image", "encoder_text")
-EXIT_PARTS = ("decoder", *ENCODER_PARTS)
-
-
-@dataclass
-class ExitRecord:
-    """What exited where during one `generate` (or forward) call.
-
-    decoder_steps: per decoder forward, the decoder layers run for each row's newest token, [rows].
-    encoder: encoder layers run per row for (image, text), [batch, 2].
-    """
-
-    decoder_steps: list[torch.Tensor] = field(default_factory=list)
-    encoder: torch.Tensor | None = None
+from .early_exit_cache import EarlyExitCache
+from .exit_controllers import ExitController, SimilarityExit, make_controller
+from .exit_knobs import ENCODER_PARTS, EXIT_KNOBS, EXIT_PARTS, KVStrategy, check_encoder_parts, resolve_knobs
 
 
 @dataclass
@@ -58,21 +32,18 @@ class EarlyExitSettings:
     encoder: ExitController | None = None
     encoder_image: ExitController | None = None
     encoder_text: ExitController | None = None
-    kv_strategy: str = "propagate"
+    kv_strategy: KVStrategy = "propagate"
     min_exit_layer: int = 1
     encoder_min_exit_layer: int = 1
     max_steps: int = 1
-    record: ExitRecord = field(default_factory=ExitRecord)
 
     @classmethod
-    def from_knobs(cls, config: PreTrainedConfig, max_steps: int = 1, **knobs) -> "EarlyExitSettings":
-        """Settings from knobs, falling back on the config's defaults; a bad or unknown knob is a ValueError."""
-        unknown = sorted(set(knobs) - set(EXIT_KNOBS))
-        if unknown:
-            raise ValueError(f"Unknown early-exit knob(s) {unknown}; the knobs are {list(EXIT_KNOBS)}.")
-        value = {name: knobs.get(name, getattr(config, name, default)) for name, default in EXIT_KNOBS.items()}
-        check_scalar_knobs(value, config)
-
+    def from_knobs(
+        cls, config: PreTrainedConfig, generation_config: Any = None, max_steps: int = 1, **knobs
+    ) -> "EarlyExitSettings":
+        """Settings from knobs (`exit_knobs.resolve_knobs`: the call's, then the generation config's, then the model
+        config's); a bad or unknown knob is a ValueError."""
+        value = resolve_knobs(config, generation_config, **knobs)
         controllers = {}
         custom = value["exit_controller"]
         if isinstance(custom, dict):
@@ -107,56 +78,24 @@ class EarlyExitSettings:
         """Whether any part has a controller, i.e. may exit early."""
         return any(getattr(self, part) is not None for part in EXIT_PARTS)
 
-    def start(self) -> None:
-        """Begin a new generation: an empty record, and controllers that forget earlier calls."""
-        self.record = ExitRecord()
+    def reset_controllers(self) -> None:
+        """Controllers that keep state across layers (patience) forget earlier calls."""
         for part in EXIT_PARTS:
             controller = getattr(self, part)
             if isinstance(controller, ExitController):
                 controller.reset()
 
 
-def check_scalar_knobs(value: dict[str, Any], config: PreTrainedConfig) -> None:
-    """Name, type and range checks of the JSON knobs: the config's defaults and every `generate` call."""
-    for name, choices in (
-        ("exit_policy", POLICY_NAMES),
-        ("exit_threshold_schedule", list(SCHEDULES)),
-        ("kv_strategy", list(KV_STRATEGIES)),
-    ):
-        if value[name] not in choices:
-            raise ValueError(f"Unknown `{name}` {value[name]!r}; choose one of {choices}.")
-    for name, part in (("min_exit_layer", "decoder"), ("encoder_min_exit_layer", "encoder")):
-        layer, depth = value[name], getattr(config, f"{part}_layers")
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise ValueError(f"`{name}` must be an integer, got {layer!r}.")
-        if not 1 <= layer <= depth:
-            raise ValueError(f"`{name}` must lie in [1, {depth}] (the {part}'s depth), got {layer}.")
-    for name in ("exit_threshold", *(f"{part}_exit_threshold" for part in ENCODER_PARTS)):
-        threshold = value[name]
-        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
-            raise ValueError(f"`{name}` must be a number or None, got {threshold!r}.")
-    for part in ENCODER_PARTS:
-        threshold = value[f"{part}_exit_threshold"]
-        if threshold is not None and not -1.0 <= threshold <= 1.0:
-            raise ValueError(
-                f"`{part}_exit_threshold` is a cosine similarity and must lie in [-1, 1], got {threshold}."
-            )
-    check_encoder_parts({part for part in ENCODER_PARTS if value[f"{part}_exit_threshold"] is not None}, config)
+@dataclass
+class ExitLayerLog:
+    """What one `generate` call gathers from the model's outputs, for its own output.
 
+    decoder_steps: per decoding step, its output's `exit_layers` [rows]. encoder: the encoder output's
+    `exit_layers` [batch, 2] when `generate` ran the encoder (None when `encoder_outputs` were passed in).
+    """
 
-def check_encoder_parts(parts: set[str], config: PreTrainedConfig) -> None:
-    """Per-stream exits need the decomposed encoder; the joint exit needs the joint one."""
-    if config.decompose_encoder_modalities and "encoder" in parts:
-        raise ValueError(
-            "This model's encoder runs image and text as separate streams (`decompose_encoder_modalities=True`): "
-            "use `encoder_image_exit_threshold` / `encoder_text_exit_threshold` instead of `encoder_exit_threshold`."
-        )
-    streams = sorted({"encoder_image", "encoder_text"} & parts)
-    if not config.decompose_encoder_modalities and streams:
-        raise ValueError(
-            f"Exits for {streams} need an encoder that runs image and text as separate streams "
-            "(`decompose_encoder_modalities=True`); this one is joint: use `encoder_exit_threshold`."
-        )
+    decoder_steps: list[torch.Tensor] = field(default_factory=list)
+    encoder: torch.Tensor | None = None
 
 
 def new_cache(config: PreTrainedConfig, settings: EarlyExitSettings | None) -> EncoderDecoderCache:
@@ -193,26 +132,25 @@ class EarlyExitGenerationMixin(GenerationMixin):
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs):
         knobs = {name: kwargs.pop(name) for name in EXIT_KNOBS if name in kwargs}
-        source = generation_config if generation_config is not None else self.generation_config
-        defaults = {name: getattr(source, name) for name in EXIT_KNOBS if hasattr(source, name)}
         settings = kwargs.pop("exit_settings", None)
         if settings is not None and knobs:
             raise ValueError(f"Pass either `exit_settings` or the knobs {sorted(knobs)}, not both.")
         if settings is None:
+            source = generation_config if generation_config is not None else self.generation_config
             max_steps = kwargs.get("max_new_tokens") or source.max_new_tokens or source.max_length - 1
-            settings = EarlyExitSettings.from_knobs(self.config, max_steps=max_steps, **{**defaults, **knobs})
-        settings.start()
+            settings = EarlyExitSettings.from_knobs(self.config, source, max_steps=max_steps, **knobs)
+        settings.reset_controllers()
         if settings.exits and kwargs.get("use_cache") is False:
             raise ValueError("Early exit in `generate` needs `use_cache=True` (skipped layers live in the cache).")
         # A config's `use_cache=False` is a training setting (the Trainer writes it); exits need the cache.
         if settings.exits:
             kwargs["use_cache"] = True
 
-        output = super().generate(inputs, generation_config, exit_settings=settings, **kwargs)
+        log = ExitLayerLog()
+        output = super().generate(inputs, generation_config, exit_settings=settings, exit_layer_log=log, **kwargs)
         if not isinstance(output, (GenerateEncoderDecoderOutput, GenerateBeamEncoderDecoderOutput)):
             return output
-        exit_layers = generated_exit_layers(settings.record, output)
-        encoder = settings.record.encoder  # None when `encoder_outputs` were passed in
+        encoder = log.encoder
         encoder_exit_layers = (
             None if encoder is None else encoder.repeat_interleave(output.sequences.shape[0] // encoder.shape[0], 0)
         )
@@ -221,7 +159,29 @@ class EarlyExitGenerationMixin(GenerationMixin):
             if isinstance(output, GenerateBeamEncoderDecoderOutput)
             else EarlyExitGenerateOutput
         )
+        exit_layers = generated_exit_layers(log.decoder_steps, output)
         return output_class(**output, exit_layers=exit_layers, encoder_exit_layers=encoder_exit_layers)
+
+    def _validate_model_kwargs(self, model_kwargs: dict[str, Any]):
+        # `exit_layer_log` is `generate`'s own record, never a model input.
+        super()._validate_model_kwargs({k: v for k, v in model_kwargs.items() if k != "exit_layer_log"})
+
+    def _prepare_text_encoder_decoder_kwargs_for_generation(self, inputs_tensor, model_kwargs, *args, **kwargs):
+        model_kwargs = super()._prepare_text_encoder_decoder_kwargs_for_generation(
+            inputs_tensor, model_kwargs, *args, **kwargs
+        )
+        log = model_kwargs.get("exit_layer_log")
+        if log is not None:
+            log.encoder = model_kwargs["encoder_outputs"].exit_layers
+        return model_kwargs
+
+    def _update_model_kwargs_for_generation(
+        self, outputs: ModelOutput, model_kwargs: dict[str, Any], *args, **kwargs
+    ) -> dict[str, Any]:
+        log = model_kwargs.get("exit_layer_log")
+        if log is not None and getattr(outputs, "exit_layers", None) is not None:
+            log.decoder_steps.append(outputs.exit_layers)
+        return super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
 
     def _prepare_cache_for_generation(
         self, generation_config: GenerationConfig, model_kwargs: dict, generation_mode, batch_size, max_cache_length
@@ -241,10 +201,10 @@ class EarlyExitGenerationMixin(GenerationMixin):
         )
 
 
-def generated_exit_layers(record: ExitRecord, output: GenerateEncoderDecoderOutput) -> torch.LongTensor:
-    """Decoder layers per returned token, [rows, new_tokens]: the recorded per-step layers, followed through the
-    beams that produced each token (`beam_indices`) in beam search."""
-    steps = torch.stack(record.decoder_steps, dim=0)  # [steps, running rows]: one decoder forward per new token
+def generated_exit_layers(decoder_steps: list[torch.Tensor], output: GenerateEncoderDecoderOutput) -> torch.LongTensor:
+    """Decoder layers per returned token, [rows, new_tokens]: each step's layers, followed through the beams that
+    produced each token (`beam_indices`) in beam search."""
+    steps = torch.stack(decoder_steps, dim=0)  # [steps, running rows]: one decoder forward per new token
     beam_indices = getattr(output, "beam_indices", None)
     if beam_indices is None:
         return steps.T.contiguous()
@@ -255,9 +215,8 @@ def generated_exit_layers(record: ExitRecord, output: GenerateEncoderDecoderOutp
 
 __all__ = [
     "EarlyExitSettings",
-    "ExitRecord",
     "EarlyExitGenerationMixin",
     "EarlyExitGenerateOutput",
     "EarlyExitBeamGenerateOutput",
-    "EXIT_KNOBS",
+    "ExitLayerLog",
 ]

@@ -28,11 +28,14 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, ModelOutput, Seq2SeqLMOutput
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_ofa import PATCH_STEM, RESNET_LAYERS, OFAEarlyExitConfig
 from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitController, ExitState, checked_decision
-from .generation_early_exit import ENCODER_PARTS, EXIT_KNOBS, EarlyExitGenerationMixin, EarlyExitSettings, new_cache
+from .exit_knobs import ENCODER_PARTS, EXIT_KNOBS
+from .generation_early_exit import EarlyExitGenerationMixin, EarlyExitSettings, new_cache
+from .row_exits import ActiveRows, RowExits, select_rows
 
 # ---------------------------------------------------------------------------------------------------------------
 # Positions
@@ -100,13 +103,6 @@ def layers_to_run(count: int, layerdrop: float, training: bool) -> list[int]:
     if not training or layerdrop == 0.0:
         return list(range(count))
     return [i for i in range(count) if torch.rand(()).item() >= layerdrop]
-
-
-def select_rows(tensor: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor | None:
-    """The kept rows of a per-row tensor; tensors with a broadcast batch of 1 (or None) pass through."""
-    if tensor is None or tensor.shape[0] == 1:
-        return tensor
-    return tensor[keep]
 
 
 class DropPath(nn.Module):
@@ -234,67 +230,45 @@ class OFAPatchStem(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class ActiveRows:
-    """The rows of the batch a layer runs on: their indices, and the contiguous runs they form so that attention
-    reads each run's cached K/V as a view instead of gathering them (at batch > 1 the cross-attention K/V are as
-    large as a layer's weights; copying them would eat the time the exit saves)."""
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scaling + bias) v as OFA computes it (the query scaled first, softmax in float32), on
+    [batch, heads, length, head_dim]; `attention_mask` is the float bias, masks included. Returns the output as
+    [batch, length, heads, head_dim] and the probabilities, like every attention of `ALL_ATTENTION_FUNCTIONS`."""
+    weights = torch.matmul(query * scaling, key.transpose(-1, -2)) + attention_mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(weights, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), weights
 
-    index: torch.Tensor  # [rows], ascending
-    runs: list[tuple[int, int]]  # [start, end) in the batch
 
-    @classmethod
-    def of(cls, index: torch.Tensor) -> "ActiveRows":
-        runs: list[list[int]] = []
-        for row in index.tolist():
-            if runs and runs[-1][1] == row:
-                runs[-1][1] += 1
-            else:
-                runs.append([row, row + 1])
-        return cls(index, [(start, end) for start, end in runs])
-
-
-def attention(
+def attend_runs(
+    attention: Callable,
+    module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     bias: torch.Tensor,
-    scaling: float,
-    dropout: float,
-    implementation: str,
-    output_attentions: bool,
-    rows: ActiveRows | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """softmax(q k^T * scaling + bias) v on [batch, heads, length, head_dim]; `bias` already holds the masks.
-
-    The bias is a float tensor (positions plus masks), so SDPA gets it as `attn_mask` with the OFA scale; the
-    default SDPA scale would be wrong. With `rows`, the query covers only those rows of the batch of `key`/`value`.
-    """
-    if rows is not None:
-        outputs, offset = [], 0
-        for start, end in rows.runs:
-            size = end - start
-            run_bias = bias if bias.shape[0] == 1 else bias[offset : offset + size]
-            out, _ = attention(
-                query[offset : offset + size],
-                key[start:end],
-                value[start:end],
-                run_bias,
-                scaling,
-                dropout,
-                implementation,
-                False,
-            )
-            outputs.append(out)
-            offset += size
-        return torch.cat(outputs), None
-    if implementation == "sdpa" and not output_attentions:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling)
-        return out, None
-    weights = torch.matmul(query * scaling, key.transpose(-1, -2)) + bias
-    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = F.dropout(weights, p=dropout, training=dropout > 0)
-    return torch.matmul(probs, value), (weights if output_attentions else None)
+    rows: ActiveRows,
+    **kwargs,
+) -> torch.Tensor:
+    """`attention` of the queries of `rows` [rows, heads, q, head_dim] over their runs of the whole batch's keys and
+    values [batch, ...], a view per contiguous run: [rows, q, heads, head_dim]."""
+    outputs, offset = [], 0
+    for start, end in rows.runs:
+        size = end - start
+        run_bias = bias if bias.shape[0] == 1 else bias[offset : offset + size]
+        out, _ = attention(module, query[offset : offset + size], key[start:end], value[start:end], run_bias, **kwargs)
+        outputs.append(out)
+        offset += size
+    return torch.cat(outputs)
 
 
 class OFAAttention(nn.Module):
@@ -317,6 +291,7 @@ class OFAAttention(nn.Module):
         self.q_proj = nn.Linear(config.d_model, config.d_model)
         self.out_proj = nn.Linear(config.d_model, config.d_model)
         self.c_attn = nn.Parameter(torch.ones(num_heads)) if config.normformer else None
+        self.is_causal = False  # the causal mask is in the bias; SDPA must not add its own
 
     def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[batch, length, d_model] -> keys, values [batch, heads, length, head_dim]."""
@@ -331,21 +306,21 @@ class OFAAttention(nn.Module):
         rows: ActiveRows | None = None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of `hidden_states` [rows, q, d] over `key`/`value` with the float `bias` (positions plus masks, so
+        SDPA gets it as `attn_mask` with OFA's scale). With `rows`, the keys and values are the whole batch's and the
+        queries those rows'. Attention probabilities come from the eager path, the only one that has them."""
         query = split_heads(self.q_proj(hidden_states), self.num_heads)
-        out, weights = attention(
-            query,
-            key,
-            value,
-            bias,
-            self.scaling,
-            self.dropout if self.training else 0.0,
-            self.config._attn_implementation,
-            output_attentions,
-            rows,
-        )
+        implementation = "eager" if output_attentions else self.config._attn_implementation
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        dropout = self.dropout if self.training else 0.0
+        if rows is None:
+            out, weights = attention(self, query, key, value, bias, scaling=self.scaling, dropout=dropout)
+        else:
+            out = attend_runs(attention, self, query, key, value, bias, rows, scaling=self.scaling, dropout=dropout)
+            weights = None
         if self.c_attn is not None:
-            out = out * self.c_attn[None, :, None, None]
-        out = out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)
+            out = out * self.c_attn[:, None]  # [rows, q, heads, head_dim]
+        out = out.reshape(*hidden_states.shape[:-1], -1)
         return self.out_proj(out), weights
 
 
@@ -669,10 +644,8 @@ class OFAEncoder(nn.Module):
         after run on the remaining rows only, and it is first asked after layer `min_exit_layer`. `real_tokens`
         [batch, S] (True = not padding) is what the controller compares.
         """
-        batch = hidden_states.shape[0]
+        exits = RowExits(hidden_states.shape[0], len(layers), hidden_states.device)
         states, attentions = [hidden_states], []
-        exit_layers = torch.full((batch,), len(layers), dtype=torch.long, device=hidden_states.device)
-        final, rows = None, torch.arange(batch, device=hidden_states.device)
         for count, idx in enumerate(layers, start=1):
             previous = hidden_states
             bias = self.layer_bias(idx, absolute, num_image, text_buckets, image_buckets)
@@ -681,24 +654,24 @@ class OFAEncoder(nn.Module):
             attentions.append(weights)
             if controller is None or count == len(layers) or count < min_exit_layer:
                 continue
-            state = ExitState(part, count, 0, hidden_states, previous, rows, len(layers), attention_mask=real_tokens)
+            state = ExitState(
+                part=part,
+                layer=count,
+                step=0,
+                hidden_states=hidden_states,
+                previous_hidden_states=previous,
+                rows=exits.running,
+                num_layers=len(layers),
+                attention_mask=real_tokens,
+            )
             stop = checked_decision(controller(state), state, controller)
-            stopping = sum(stop.tolist())  # one host read, cheaper than a sum op on a few rows
-            if stopping == 0:
-                continue
-            exit_layers[rows[stop]] = count
-            if stopping == len(rows):  # every running row stops here; the states after the loop are theirs
+            carried = (hidden_states, absolute, text_buckets, real_tokens)
+            hidden_states, absolute, text_buckets, real_tokens = exits.stop(
+                count, stop, {"output": hidden_states}, carried
+            )
+            if exits.finished:
                 break
-            if final is None:
-                final = torch.empty_like(states[0])
-            final[rows[stop]] = hidden_states[stop]
-            keep = ~stop
-            rows, hidden_states, absolute = rows[keep], hidden_states[keep], select_rows(absolute, keep)
-            text_buckets, real_tokens = select_rows(text_buckets, keep), select_rows(real_tokens, keep)
-        if final is None:
-            return hidden_states, states, attentions, exit_layers
-        final[rows] = hidden_states
-        return final, states, attentions, exit_layers
+        return exits.gather("output", hidden_states), states, attentions, exits.exit_layers
 
     def forward(
         self,
@@ -821,9 +794,6 @@ class OFAEncoder(nn.Module):
             attentions = []
             no_layers = torch.zeros(padding.shape[0], dtype=torch.long, device=padding.device)
             exit_layers = torch.stack([no_layers if stream is None else stream[3] for stream in streams], dim=1)
-        if exit_settings is not None:
-            exit_settings.record.encoder = exit_layers
-
         return OFAEncoderOutput(
             last_hidden_state=self.layer_norm(final),
             padding_mask=padding,
@@ -840,6 +810,8 @@ class OFADecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
     exit_hidden_states (`tuple(torch.FloatTensor)`, with `output_exit_hidden_states=True`):
         The input of the output projection at each exit point of `config.exit_points`, then at the last layer
         (`last_hidden_state`): [batch, q, d_model] each, after the shared final LayerNorm.
+    exit_layers (`torch.LongTensor` [batch]):
+        The decoder layers each row ran for these q tokens (all of them without a decoder exit).
     logits (`torch.FloatTensor` [batch, 1, vocab], only when the exit head computed them):
         The output projection of `last_hidden_state`, when every row stopped at one exit whose controller asked
         for the exit head's logits (a confidence policy): they are the same, so the model does not project again.
@@ -847,6 +819,25 @@ class OFADecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
 
     exit_hidden_states: tuple[torch.FloatTensor, ...] | None = None
     logits: torch.FloatTensor | None = None
+    exit_layers: torch.LongTensor | None = None
+
+
+@dataclass
+class DecoderStepBiases:
+    """The position terms of one decoder step's queries.
+
+    positions [batch or 1, T, d]: LayerNorm'd position embeddings of every token so far (None when sliced from the
+    table and no catch-up reads them). position_ids [batch or 1, T]. self_absolute [batch or 1, heads, q, T]: the
+    masked absolute self-attention bias. buckets [batch or 1, q, T]: relative buckets. cross_bias [batch, heads, q, S]:
+    the cross-attention bias with the encoder padding mask. query_mask [batch, q] or None: the step's decoder mask.
+    """
+
+    positions: torch.Tensor | None
+    position_ids: torch.Tensor
+    self_absolute: torch.Tensor
+    buckets: torch.Tensor
+    cross_bias: torch.Tensor
+    query_mask: torch.Tensor | None
 
 
 @dataclass
@@ -1148,6 +1139,122 @@ class OFADecoder(nn.Module):
         )
         past_key_values.self_attention_cache.advance(layer_idx, rows, slots, hidden_states)
 
+    def complete_layer(
+        self,
+        layer_idx: int,
+        rows: torch.Tensor,
+        past_key_values: EncoderDecoderCache,
+        step: "DecoderStepBiases",
+        attention_mask: torch.Tensor | None,
+        encoder_outputs: OFAEncoderOutput,
+    ) -> None:
+        """Before layer `layer_idx` reads the cache: the slots earlier tokens left empty in it are filled
+        (`propagate`, `copy`), or the layer runs on their waiting states (`recompute`)."""
+        self_cache = past_key_values.self_attention_cache
+        self_cache.fill_skipped(layer_idx)
+        if self_cache.frontier is not None:
+            self.catch_up(
+                layer_idx, rows, past_key_values, step.positions, step.position_ids, attention_mask, encoder_outputs
+            )
+
+    def checked_cache(
+        self,
+        past_key_values: EncoderDecoderCache | None,
+        exit_settings: EarlyExitSettings | None,
+        length: int,
+        attention_mask: torch.Tensor | None,
+        outputs_asked: bool,
+    ) -> EarlyExitCache | None:
+        """The self-attention cache of this step, after checking the step's inputs against it and the exit plan."""
+        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+        if self_cache is not None and not isinstance(self_cache, EarlyExitCache):
+            raise ValueError(
+                "The decoder's self-attention cache must be an EarlyExitCache (`EncoderDecoderCache(EarlyExitCache("
+                f"config), DynamicCache())`), got {type(self_cache).__name__}."
+            )
+        if attention_mask is not None and attention_mask.shape[-1] != length:
+            raise ValueError(
+                f"`decoder_attention_mask` must cover the cached and new tokens ({length}), "
+                f"got {attention_mask.shape[-1]}."
+            )
+        if exit_settings is None or exit_settings.decoder is None:
+            return self_cache
+        if self_cache is not None and self_cache.kv_strategy != exit_settings.kv_strategy:
+            raise ValueError(
+                f"`kv_strategy={exit_settings.kv_strategy!r}` but the cache passed in was built for "
+                f"{self_cache.kv_strategy!r}."
+            )
+        if outputs_asked:
+            raise ValueError(
+                "`output_attentions` / `output_hidden_states` / `output_exit_hidden_states` are not available with "
+                "decoder exits."
+            )
+        return self_cache
+
+    def step_biases(
+        self,
+        past: int,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        encoder_outputs: OFAEncoderOutput,
+        self_cache: EarlyExitCache | None,
+    ) -> DecoderStepBiases:
+        """The position terms of this step's queries; sliced from the `position_table` when rows have no decoder mask
+        (positions 0, 1, ...) and no gradient is needed."""
+        length = past + input_ids.shape[1]
+        position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, past + q]
+        sliced = (
+            attention_mask is None and not torch.is_grad_enabled() and length <= self.embed_positions.num_embeddings
+        )
+        positions = None  # LayerNorm'd position embeddings: read by the unsliced biases and `recompute`'s catch-up
+        if not sliced or (self_cache is not None and self_cache.kv_strategy == "recompute"):
+            positions = self.pos_ln(self.embed_positions(position_ids))
+        if sliced:
+            table = self_cache.derived("position_table", self.position_table) if self_cache else self.position_table()
+            biases = self.unmasked_attention_biases(past, length, encoder_outputs, table)
+        else:
+            query_slots = torch.arange(past, length, device=input_ids.device)[None]
+            biases = self.attention_biases(positions, position_ids, query_slots, attention_mask, encoder_outputs)
+        query_mask = attention_mask[:, past:] if attention_mask is not None else None
+        return DecoderStepBiases(positions, position_ids, *biases, query_mask)
+
+    def exit_question(
+        self,
+        exit_settings: EarlyExitSettings,
+        count: int,
+        num_layers: int,
+        past: int,
+        hidden_states: torch.Tensor,
+        previous: torch.Tensor,
+        exits: RowExits,
+        query_mask: torch.Tensor | None,
+        exit_state: Callable[[], torch.Tensor],
+    ) -> tuple[torch.Tensor, ExitState]:
+        """Ask the decoder's controller which running rows stop after layer `count`: BoolTensor[rows] and its state."""
+        state = ExitState(
+            part="decoder",
+            layer=count,
+            step=past,
+            hidden_states=hidden_states,
+            previous_hidden_states=previous,
+            rows=exits.running,
+            num_layers=num_layers,
+            max_steps=exit_settings.max_steps,
+            attention_mask=query_mask,
+            logits_fn=lambda: self.exit_logits(exit_state()[:, -1]),
+        )
+        return checked_decision(exit_settings.decoder(state), state, exit_settings.decoder), state
+
+    def fill_skipped_layers_later(
+        self, self_cache: EarlyExitCache, exits: RowExits, slots: slice | None, exit_outputs: torch.Tensor
+    ) -> None:
+        """Record the slots the stopped rows left empty; the KV strategy fills them when a later token reads them."""
+        project = self.skipped_key_values
+        if self_cache.kv_strategy == "propagate" and not torch.is_grad_enabled():
+            folded = self_cache.derived("folded_key_value_projections", self.folded_key_value_projections)
+            project = functools.partial(project, folded=folded)
+        self_cache.record_skipped(exits.exit_layers, slots, exit_outputs, project)
+
     def forward(
         self,
         input_ids: torch.LongTensor,
@@ -1163,88 +1270,42 @@ class OFADecoder(nn.Module):
 
         `attention_mask` (optional, [batch, past + q]) marks decoder pads; without it every token is attended.
         With `exit_settings.decoder`, each row stops after the layer its controller picks (all q tokens of a row
-        together): it leaves the batch, the layers after run on the remaining rows only, and its output is its
-        exit layer's state. The cache then fills the skipped layers by `exit_settings.kv_strategy`.
+        together); `RowExits` takes it out of the layers after, and its output is its exit head's. The cache then
+        fills the skipped layers by `exit_settings.kv_strategy`. `exit_layers` in the output counts each row's layers.
         `output_exit_hidden_states` (training the exits) returns every exit head's input after the final LayerNorm.
         """
-        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
-        if self_cache is not None and not isinstance(self_cache, EarlyExitCache):
-            raise ValueError(
-                "The decoder's self-attention cache must be an EarlyExitCache (`EncoderDecoderCache(EarlyExitCache("
-                f"config), DynamicCache())`), got {type(self_cache).__name__}."
-            )
-        past = self_cache.get_seq_length() if self_cache is not None else 0
-        batch, length = input_ids.shape[0], past + input_ids.shape[1]
-        if attention_mask is not None and attention_mask.shape[-1] != length:
-            raise ValueError(
-                f"`decoder_attention_mask` must cover the cached and new tokens ({length}), "
-                f"got {attention_mask.shape[-1]}."
-            )
-        controller = exit_settings.decoder if exit_settings is not None else None
-        if controller is not None and self_cache is not None and self_cache.kv_strategy != exit_settings.kv_strategy:
-            raise ValueError(
-                f"`kv_strategy={exit_settings.kv_strategy!r}` but the cache passed in was built for "
-                f"{self_cache.kv_strategy!r}."
-            )
-        if controller is not None and (output_attentions or output_hidden_states or output_exit_hidden_states):
-            raise ValueError(
-                "`output_attentions` / `output_hidden_states` / `output_exit_hidden_states` are not available with "
-                "decoder exits."
-            )
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        outputs_asked = output_attentions or output_hidden_states or output_exit_hidden_states
+        length = past + input_ids.shape[1]
+        self_cache = self.checked_cache(past_key_values, exit_settings, length, attention_mask, outputs_asked)
         if output_exit_hidden_states and self.training and self.config.decoder_layerdrop > 0:
             raise ValueError("`output_exit_hidden_states` needs every exit layer to run: set `decoder_layerdrop=0`.")
+        controller = exit_settings.decoder if exit_settings is not None else None
 
         hidden_states = self.embed_tokens(input_ids) * self.embed_scale
         hidden_states = self.dropout(self.layernorm_embedding(hidden_states))  # [batch, q, d]
-        position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, past + q]
-        sliced = (
-            attention_mask is None and not torch.is_grad_enabled() and length <= self.embed_positions.num_embeddings
-        )
-        positions = None  # LayerNorm'd position embeddings [batch or 1, past + q, d]: per-step biases and catch-up
-        if not sliced or (self_cache is not None and self_cache.kv_strategy == "recompute"):
-            positions = self.pos_ln(self.embed_positions(position_ids))
-        if sliced:  # no decoder mask: positions 0, 1, ... whose terms a table holds
-            table = (
-                self_cache.derived("position_table", self.position_table)
-                if self_cache is not None
-                else self.position_table()
-            )
-            self_absolute, buckets, cross_bias = self.unmasked_attention_biases(past, length, encoder_outputs, table)
-        else:
-            query_slots = torch.arange(past, length, device=input_ids.device)[None]
-            self_absolute, buckets, cross_bias = self.attention_biases(
-                positions, position_ids, query_slots, attention_mask, encoder_outputs
-            )  # [batch or 1, heads, q, past + q], [batch or 1, q, past + q], [batch, heads, q, S]
+        step = self.step_biases(past, input_ids, attention_mask, encoder_outputs, self_cache)
         slots = self_cache.open_slots(hidden_states, self.num_heads) if self_cache is not None else None
         if self_cache is not None and not torch.is_grad_enabled() and not any(past_key_values.is_updated.values()):
             self.cache_cross_key_values(encoder_outputs.last_hidden_state, past_key_values)
 
         layers = layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training)
-        exit_layers = torch.full((batch,), len(layers), dtype=torch.long, device=input_ids.device)
-        all_rows = torch.arange(batch, device=input_ids.device)
-        final, active = None, None  # active: the rows still running (None: all of them)
-        exit_outputs = None  # [batch, q, d]: the last layer's output of each row that stopped early
-        step_logits = None  # [batch, vocab]: the exit head's, when the whole batch stopped at one exit
-        query_mask = attention_mask[:, past:] if attention_mask is not None else None
-        states, self_attentions, cross_attentions, exit_states = [hidden_states], [], [], []
+        exits = RowExits(input_ids.shape[0], len(layers), input_ids.device)
+        self_absolute, buckets, cross_bias, query_mask = (
+            step.self_absolute,
+            step.buckets,
+            step.cross_bias,
+            step.query_mask,
+        )
+        states, self_attentions, cross_attentions, exit_states, state = [hidden_states], [], [], [], None
         for count, idx in enumerate(layers, start=1):
-            rows = all_rows if active is None else active.index
             if self_cache is not None:  # earlier tokens' empty slots in this layer, before it reads them
-                self_cache.fill_skipped(idx)
-                if self_cache.frontier is not None:
-                    self.catch_up(idx, rows, past_key_values, positions, position_ids, attention_mask, encoder_outputs)
-            previous = hidden_states
-            self_bias = self.layer_self_bias(idx, self_absolute, buckets)
+                self.complete_layer(idx, exits.running, past_key_values, step, attention_mask, encoder_outputs)
+            previous, self_bias = hidden_states, self.layer_self_bias(idx, self_absolute, buckets)
             hidden_states, self_weights, cross_weights = self.layers[idx](
-                hidden_states,
-                self_bias,
-                encoder_outputs.last_hidden_state,
-                cross_bias,
-                past_key_values,
-                active,
-                slots,
-                output_attentions,
-            )
+                hidden_states, self_bias, encoder_outputs.last_hidden_state, cross_bias, past_key_values,
+                exits.active, slots, output_attentions,
+            )  # fmt: skip
             states.append(hidden_states)
             self_attentions.append(self_weights)
             cross_attentions.append(cross_weights)
@@ -1254,72 +1315,29 @@ class OFADecoder(nn.Module):
                 continue
             exit_state = computed_once(  # the exit head's input, computed once, and only if needed
                 functools.partial(
-                    self.exit_hidden_states,
-                    idx + 1,
-                    hidden_states,
-                    previous,
-                    self_bias,
-                    cross_bias,
-                    encoder_outputs.last_hidden_state,
-                    past_key_values,
-                    active,
+                    self.exit_hidden_states, idx + 1, hidden_states, previous, self_bias, cross_bias,
+                    encoder_outputs.last_hidden_state, past_key_values, exits.active,
                 )
-            )
+            )  # fmt: skip
             if collect:
                 exit_states.append(self.layer_norm(exit_state()))
                 continue
-
-            state = ExitState(
-                "decoder",
-                count,
-                len(exit_settings.record.decoder_steps),
-                hidden_states,
-                previous,
-                rows,
-                len(layers),
-                exit_settings.max_steps,
-                query_mask,
-                lambda exit_state=exit_state: self.exit_logits(exit_state()[:, -1]),
+            stop, state = self.exit_question(
+                exit_settings, count, len(layers), past, hidden_states, previous, exits, query_mask, exit_state
             )
-            stop = checked_decision(controller(state), state, controller)
-            stopping = sum(stop.tolist())  # one host read, cheaper than a sum op on a few rows
-            if stopping == 0:
-                continue
-            if stopping == len(rows):  # every running row stops here; the states after the loop are theirs
-                exit_layers[rows] = count
-                if exit_outputs is None:
-                    exit_outputs = hidden_states  # the whole batch stopped at once
-                else:
-                    exit_outputs[rows] = hidden_states
-                hidden_states = exit_state()
-                if final is None and input_ids.shape[1] == 1:  # the exit head's logits, if asked, are the step's
-                    step_logits = state.computed_logits
+            hidden_states, self_absolute, buckets, cross_bias, query_mask = exits.stop(
+                count, stop, {"output": hidden_states, "exit_state": exit_state},
+                (hidden_states, self_absolute, buckets, cross_bias, query_mask),
+            )  # fmt: skip
+            if exits.finished:
                 break
-            exiting = rows[stop]
-            exit_layers[exiting] = count
-            if exit_outputs is None:
-                exit_outputs = torch.empty_like(states[0])
-            exit_outputs[exiting] = hidden_states[stop]
-            if final is None:
-                final = torch.empty_like(states[0])
-            final[exiting] = exit_state()[stop]
-            keep = ~stop
-            active = ActiveRows.of(rows[keep])
-            hidden_states = hidden_states[keep]
-            self_absolute, buckets = select_rows(self_absolute, keep), select_rows(buckets, keep)
-            cross_bias, query_mask = cross_bias[keep], select_rows(query_mask, keep)
-        if final is not None:  # the rows still running at the end, or the last ones to stop
-            final[active.index] = hidden_states
-        if self_cache is not None and exit_outputs is not None:  # the skipped layers' slots, filled when read
-            project = self.skipped_key_values
-            if self_cache.kv_strategy == "propagate" and not torch.is_grad_enabled():
-                folded = self_cache.derived("folded_key_value_projections", self.folded_key_value_projections)
-                project = functools.partial(project, folded=folded)
-            self_cache.record_skipped(exit_layers, slots, exit_outputs, project)
-        if exit_settings is not None:
-            exit_settings.record.decoder_steps.append(exit_layers)
+        exit_outputs = exits.stopped_state("output")  # each stopped row's last layer output
+        if self_cache is not None and exit_outputs is not None:
+            self.fill_skipped_layers_later(self_cache, exits, slots, exit_outputs)
+        # A step whose rows all stopped at one exit returns the exit head's logits, if a controller computed them.
+        step_logits = state.computed_logits if exits.stopped_together and input_ids.shape[1] == 1 else None
 
-        last_hidden_state = self.layer_norm(hidden_states if final is None else final)
+        last_hidden_state = self.layer_norm(exits.gather("exit_state", hidden_states))
         return OFADecoderOutput(
             last_hidden_state=last_hidden_state,
             past_key_values=past_key_values,
@@ -1328,6 +1346,7 @@ class OFADecoder(nn.Module):
             cross_attentions=tuple(cross_attentions) if output_attentions else None,
             exit_hidden_states=(*exit_states, last_hidden_state) if output_exit_hidden_states else None,
             logits=step_logits[:, None] if step_logits is not None else None,
+            exit_layers=exits.exit_layers,
         )
 
 
@@ -1345,12 +1364,6 @@ class OFAPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
     _can_compile_fullgraph = False
-
-    @classmethod
-    def _can_set_attn_implementation(cls) -> bool:
-        # `attention()` reads `config._attn_implementation` on every call, so switching eager <-> sdpa is safe
-        # (the base class guesses from the source and looks for ALL_ATTENTION_FUNCTIONS, which we don't use).
-        return True
 
     def _init_weights(self, module: nn.Module):
         super()._init_weights(module)
@@ -1377,14 +1390,20 @@ class EarlyExitSeq2SeqLMOutput(Seq2SeqLMOutput):
     exit_hidden_states (`tuple(torch.FloatTensor)`, with `output_exit_hidden_states=True`):
         The output projection's input at each exit point of `config.exit_points`, then at the last layer:
         [batch, tgt_len, d_model] each, after the shared final LayerNorm.
+    exit_layers (`torch.LongTensor` [batch]):
+        The decoder layers each row ran for this pass's tokens (one decoding step in `generate`).
+    encoder_exit_layers (`torch.LongTensor` [batch, 2]):
+        The encoder layers each row ran for (image, text): both the joint encoder's, 0 for a missing modality.
     """
 
     exit_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    exit_layers: torch.LongTensor | None = None
+    encoder_exit_layers: torch.LongTensor | None = None
 
 
 class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerationMixin):
     """OFA encoder-decoder with a tied LM head and early exits; `generate` works with greedy, sampling and beam
-    search, and takes the early-exit knobs (`exit_threshold=0.9`, ...; see `generation_early_exit.EXIT_KNOBS`).
+    search, and takes the early-exit knobs (`exit_threshold=0.9`, ...; see `exit_knobs.EXIT_KNOBS`).
 
     Inputs: `input_ids` / `attention_mask` [batch, T] (pad on the right, as OFA does), `pixel_values`
     [batch, 3, H, W] normalised to [-1, 1] by `OFAProcessor`, and `decoder_input_ids` or `labels`.
@@ -1436,7 +1455,7 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
         also inspects `forward`'s signature at every step (about 2% of a decoding step of the embedded model)."""
         decoder_input_ids = input_ids if next_sequence_length is None else input_ids[:, -next_sequence_length:]
         # The encoder ran before the first step: its outputs replace the image, whatever the iteration.
-        skipped = {"labels", "is_first_iteration", "pixel_values"}
+        skipped = {"labels", "is_first_iteration", "pixel_values", "exit_layer_log"}
         return {"decoder_input_ids": decoder_input_ids, **{k: v for k, v in kwargs.items() if k not in skipped}}
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
@@ -1516,6 +1535,8 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
             exit_hidden_states=decoder_outputs.exit_hidden_states,
+            exit_layers=decoder_outputs.exit_layers,
+            encoder_exit_layers=encoder_outputs.exit_layers,
         )
         return output if return_dict else output.to_tuple()
 

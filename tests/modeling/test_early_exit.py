@@ -80,8 +80,9 @@ def test_full_model_reports_full_depth_and_beam_padding_as_zero(model):
 # --- forced exits and the cache ------------------------------------------------------------------------------------
 
 
-def decode_with_cache(model, inputs, settings, steps: int = 6):
-    """Greedy steps through `forward` with one cache, so its contents can be inspected; returns (tokens, cache)."""
+def decode_with_cache(model, inputs, settings, steps: int = 6, exit_layers: list | None = None):
+    """Greedy steps through `forward` with one cache, so its contents can be inspected; returns (tokens, cache).
+    Each step's `exit_layers` output [rows] is appended to `exit_layers` when given."""
     encoder_outputs = model.get_encoder()(**inputs, exit_settings=settings)
     tokens = torch.zeros(inputs["input_ids"].shape[0], 1, dtype=torch.long)
     cache = None
@@ -97,6 +98,8 @@ def decode_with_cache(model, inputs, settings, steps: int = 6):
             )
             cache = out.past_key_values
             tokens = torch.cat([tokens, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            if exit_layers is not None:
+                exit_layers.append(out.exit_layers)
     return tokens, cache
 
 
@@ -110,8 +113,9 @@ def full_depth_cache(model, inputs, tokens):
 def test_recompute_completes_every_layer_like_a_full_depth_pass(model):
     inputs = batch_of(4)
     settings = EarlyExitSettings(decoder=mixed_exits(), kv_strategy="recompute")
-    tokens, cache = decode_with_cache(model, inputs, settings)
-    exits = torch.stack(settings.record.decoder_steps, dim=1)  # [rows, steps]
+    steps = []
+    tokens, cache = decode_with_cache(model, inputs, settings, exit_layers=steps)
+    exits = torch.stack(steps, dim=1)  # [rows, steps]
     assert set(exits.unique().tolist()) == {1, 2, 3, 4}
     # One more token at full depth catches every layer up on all earlier tokens.
     settings.decoder = None
@@ -164,9 +168,10 @@ def test_cropping_the_cache_forgets_the_skipped_slots_it_removes(model):
 
 def test_copy_fills_skipped_layers_with_the_exit_layers_keys_and_values(model):
     settings = EarlyExitSettings(decoder=mixed_exits(), kv_strategy="copy")
-    _, cache = decode_with_cache(model, batch_of(4), settings)
+    steps = []
+    _, cache = decode_with_cache(model, batch_of(4), settings, exit_layers=steps)
     cache.self_attention_cache.fill_skipped()  # the last step's slots: no later token read them
-    exits = torch.stack(settings.record.decoder_steps, dim=1)  # [rows, steps]
+    exits = torch.stack(steps, dim=1)  # [rows, steps]
     layers = cache.self_attention_cache.layers
     for row in range(exits.shape[0]):
         for step in range(exits.shape[1]):
@@ -331,7 +336,7 @@ def test_teacher_forced_forward_with_exits_uses_each_rows_exit_state(model):
     for row in range(2):
         expected = model.decoder.exit_logits(full.decoder_hidden_states[row + 1][row])
         torch.testing.assert_close(exited.logits[row], expected, rtol=0, atol=1e-5)
-    assert settings.record.decoder_steps[0].tolist() == [1, 2]
+    assert exited.exit_layers.tolist() == [1, 2]
 
 
 # --- encoder exits ---------------------------------------------------------------------------------------------------
@@ -467,7 +472,7 @@ def test_reused_settings_start_afresh_and_encoder_outputs_can_be_passed_in(model
     settings = EarlyExitSettings(decoder=mixed_exits())
     first = model.generate(**inputs, max_new_tokens=4, exit_settings=settings, return_dict_in_generate=True)
     second = model.generate(**inputs, max_new_tokens=4, exit_settings=settings, return_dict_in_generate=True)
-    assert torch.equal(first.exit_layers, second.exit_layers) and len(settings.record.decoder_steps) == 4
+    assert torch.equal(first.exit_layers, second.exit_layers) and first.exit_layers.shape[1] == 4
     encoder_outputs = model.get_encoder()(**inputs)
     out = model.generate(
         encoder_outputs=encoder_outputs,

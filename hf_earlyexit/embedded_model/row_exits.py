@@ -1,0 +1,1 @@
+../../modeling/row_exits.py
