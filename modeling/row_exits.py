@@ -82,8 +82,8 @@ class RowExits:
         carried: tuple[torch.Tensor | None, ...],
     ) -> tuple[torch.Tensor | None, ...]:
         """The running rows where `stop` [rows] is True leave after `layer` (1-based), with `states` (name -> this
-        layer's [rows, ...] states, e.g. its output; a callable is computed only if a row stops). Returns the per-row tensors in
-        `carried` for the rows that go on (unchanged when none stops); sets `finished` when none goes on."""
+        layer's [rows, ...] states, e.g. its output; a callable is computed only if a row stops). Returns the per-row
+        tensors in `carried` for the rows that go on (unchanged when none stops); sets `finished` when none goes on."""
         stopping = sum(stop.tolist())  # one host read, cheaper than a sum op on a few rows
         if stopping == 0:
             return carried
