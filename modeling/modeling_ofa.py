@@ -1297,7 +1297,7 @@ class OFADecoder(nn.Module):
             step.cross_bias,
             step.query_mask,
         )
-        states, self_attentions, cross_attentions, exit_states, state = [hidden_states], [], [], [], None
+        layer_outputs, exit_states, state = [(hidden_states, None, None)], [], None  # (states, attentions) per layer
         for count, idx in enumerate(layers, start=1):
             if self_cache is not None:  # earlier tokens' empty slots in this layer, before it reads them
                 self.complete_layer(idx, exits.running, past_key_values, step, attention_mask, encoder_outputs)
@@ -1306,18 +1306,14 @@ class OFADecoder(nn.Module):
                 hidden_states, self_bias, encoder_outputs.last_hidden_state, cross_bias, past_key_values,
                 exits.active, slots, output_attentions,
             )  # fmt: skip
-            states.append(hidden_states)
-            self_attentions.append(self_weights)
-            cross_attentions.append(cross_weights)
+            layer_outputs.append((hidden_states, self_weights, cross_weights))
             collect = output_exit_hidden_states and idx + 1 in self.exit_points  # never with a controller
             ask = controller is not None and count >= exit_settings.min_exit_layer and count in self.exit_points
             if not (collect or ask):
                 continue
             exit_state = computed_once(  # the exit head's input, computed once, and only if needed
-                functools.partial(
-                    self.exit_hidden_states, idx + 1, hidden_states, previous, self_bias, cross_bias,
-                    encoder_outputs.last_hidden_state, past_key_values, exits.active,
-                )
+                functools.partial(self.exit_hidden_states, idx + 1, hidden_states, previous, self_bias, cross_bias,
+                                  encoder_outputs.last_hidden_state, past_key_values, exits.active)
             )  # fmt: skip
             if collect:
                 exit_states.append(self.layer_norm(exit_state()))
@@ -1338,12 +1334,13 @@ class OFADecoder(nn.Module):
         step_logits = state.computed_logits if exits.stopped_together and input_ids.shape[1] == 1 else None
 
         last_hidden_state = self.layer_norm(exits.gather("exit_state", hidden_states))
+        states, self_attentions, cross_attentions = zip(*layer_outputs, strict=True)
         return OFADecoderOutput(
             last_hidden_state=last_hidden_state,
             past_key_values=past_key_values,
-            hidden_states=tuple(states) if output_hidden_states else None,
-            attentions=tuple(self_attentions) if output_attentions else None,
-            cross_attentions=tuple(cross_attentions) if output_attentions else None,
+            hidden_states=states if output_hidden_states else None,
+            attentions=self_attentions[1:] if output_attentions else None,
+            cross_attentions=cross_attentions[1:] if output_attentions else None,
             exit_hidden_states=(*exit_states, last_hidden_state) if output_exit_hidden_states else None,
             logits=step_logits[:, None] if step_logits is not None else None,
             exit_layers=exits.exit_layers,
