@@ -511,6 +511,25 @@ class OFAEncoderOutput(ModelOutput):
     exit_layers: torch.LongTensor | None = None
 
 
+@dataclass
+class EncoderSequence:
+    """The encoder's input sequence `[image patches ; text tokens]` and its position terms.
+
+    hidden_states [batch, S, d] (pads zeroed); position_embedding [batch, S, d] (LayerNorm'd); padding [batch, S]
+    (True at text pads); absolute [batch, heads, S, S] (the absolute position bias, pads masked as keys); num_image N
+    and text_length T; image_buckets [N, N] and text_buckets [batch, T, T], None for a missing modality.
+    """
+
+    hidden_states: torch.Tensor
+    position_embedding: torch.Tensor
+    padding: torch.Tensor
+    absolute: torch.Tensor
+    num_image: int
+    text_length: int
+    image_buckets: torch.Tensor | None
+    text_buckets: torch.Tensor | None
+
+
 def relative_tables(config: OFAEarlyExitConfig, num_layers: int, num_heads: int) -> tuple[nn.ModuleList, ...]:
     """Per-layer text (2 * token_bucket_size - 1 buckets) and image ((2 * image_bucket_size - 1)^2 + 3) tables."""
     text = nn.ModuleList(
@@ -673,27 +692,10 @@ class OFAEncoder(nn.Module):
                 break
         return exits.gather("output", hidden_states), states, attentions, exits.exit_layers
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        pixel_values: torch.FloatTensor | None = None,
-        exit_settings: EarlyExitSettings | None = None,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
-        return_dict: bool = True,
-    ) -> OFAEncoderOutput:
-        """`exit_settings` (optional) carries the exit controllers: `encoder` for the joint encoder, or
-        `encoder_image` / `encoder_text` for the streams of a decomposed one."""
-        if input_ids is None and pixel_values is None:
-            raise ValueError("The encoder needs `input_ids`, `pixel_values` or both.")
-        decomposed = self.config.decompose_encoder_modalities
-        if output_attentions and decomposed:
-            raise ValueError("`output_attentions` is not available with `decompose_encoder_modalities=True`.")
-        controllers = {part: getattr(exit_settings, part, None) for part in ENCODER_PARTS}
-        min_exit_layer = getattr(exit_settings, "encoder_min_exit_layer", 1)
-        if any(controllers.values()) and (output_attentions or output_hidden_states):
-            raise ValueError("`output_attentions` / `output_hidden_states` are not available with encoder exits.")
+    def embed(
+        self, input_ids: torch.LongTensor | None, attention_mask: torch.Tensor | None, pixel_values: torch.Tensor | None
+    ) -> "EncoderSequence":
+        """The sequence `[image patches ; text tokens]` the layers run over, with its position terms."""
         parts, positions, paddings = [], [], []
         num_image = text_length = 0
         image_buckets = text_buckets = None
@@ -715,10 +717,9 @@ class OFAEncoder(nn.Module):
             positions.append(text_pos)
             paddings.append(text_padding)
 
-        hidden_states = torch.cat(parts, dim=1)
         position_embedding = torch.cat(positions, dim=1)
         padding = torch.cat(paddings, dim=1)
-        hidden_states = hidden_states * (~padding).unsqueeze(-1).to(hidden_states.dtype)
+        hidden_states = torch.cat(parts, dim=1) * (~padding).unsqueeze(-1).to(parts[0].dtype)
         absolute = position_bias(
             self.pos_q_linear,
             self.pos_k_linear,
@@ -729,75 +730,104 @@ class OFAEncoder(nn.Module):
         )  # [batch, heads, S, S]
         # Pads are masked as keys once here; the relative biases added per layer keep them at ~finfo.min.
         absolute = absolute.masked_fill(padding[:, None, None, :], torch.finfo(absolute.dtype).min)
+        return EncoderSequence(
+            hidden_states, position_embedding, padding, absolute, num_image, text_length, image_buckets, text_buckets
+        )
 
+    def run_joint(
+        self,
+        sequence: "EncoderSequence",
+        layers: list[int],
+        exit_settings: EarlyExitSettings | None,
+        output_attentions: bool,
+        output_hidden_states: bool,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """OFA's encoder: image and text attend to each other. Returns what `run_layers` does, the layers per row
+        for (image, text) [batch, 2]: both the joint encoder's, 0 for a missing modality."""
+        final, states, attentions, exit_layers = self.run_layers(
+            sequence.hidden_states,
+            sequence.absolute,
+            sequence.num_image,
+            sequence.text_buckets,
+            sequence.image_buckets,
+            layers,
+            output_attentions,
+            controller=getattr(exit_settings, "encoder", None),
+            part="encoder",
+            real_tokens=~sequence.padding,
+            min_exit_layer=getattr(exit_settings, "encoder_min_exit_layer", 1),
+        )
+        present = torch.tensor([bool(sequence.num_image), bool(sequence.text_length)], device=exit_layers.device)
+        return final, states, attentions, exit_layers[:, None] * present
+
+    def run_streams(
+        self,
+        sequence: "EncoderSequence",
+        layers: list[int],
+        exit_settings: EarlyExitSettings | None,
+        output_attentions: bool,
+        output_hidden_states: bool,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """MuE's decomposed encoder: each modality attends only to itself, through the same layers, and may stop on
+        its own; the streams meet in the decoder's cross-attention. Returns what `run_joint` does (no attentions)."""
+        n, padding = sequence.num_image, sequence.padding
+        min_exit_layer = getattr(exit_settings, "encoder_min_exit_layer", 1)
+        image_rel = sequence.image_buckets if self.config.decomposed_image_relative_bias else None
+        streams = [
+            self.run_layers(
+                sequence.hidden_states[:, :n], sequence.absolute[:, :, :n, :n], n, None, image_rel, layers, False,
+                controller=getattr(exit_settings, "encoder_image", None), part="encoder_image",
+                min_exit_layer=min_exit_layer,
+            ) if n else None,
+            self.run_layers(
+                sequence.hidden_states[:, n:], sequence.absolute[:, :, n:, n:], 0, sequence.text_buckets, None, layers,
+                False, controller=getattr(exit_settings, "encoder_text", None), part="encoder_text",
+                real_tokens=~padding[:, n:] if bool(padding.any()) else None,  # None: no pad to leave out
+                min_exit_layer=min_exit_layer,
+            ) if sequence.text_length else None,
+        ]  # fmt: skip
+        ran = [stream for stream in streams if stream is not None]
+        final = torch.cat([stream[0] for stream in ran], dim=1)
+        states = (
+            [torch.cat(per_layer, dim=1) for per_layer in zip(*(stream[1] for stream in ran), strict=True)]
+            if output_hidden_states
+            else []
+        )
+        no_layers = torch.zeros(padding.shape[0], dtype=torch.long, device=padding.device)
+        exit_layers = torch.stack([no_layers if stream is None else stream[3] for stream in streams], dim=1)
+        return final, states, [], exit_layers
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.FloatTensor | None = None,
+        exit_settings: EarlyExitSettings | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+    ) -> OFAEncoderOutput:
+        """`exit_settings` (optional) carries the exit controllers: `encoder` for the joint encoder, or
+        `encoder_image` / `encoder_text` for the streams of a decomposed one."""
+        if input_ids is None and pixel_values is None:
+            raise ValueError("The encoder needs `input_ids`, `pixel_values` or both.")
+        decomposed = self.config.decompose_encoder_modalities
+        if output_attentions and decomposed:
+            raise ValueError("`output_attentions` is not available with `decompose_encoder_modalities=True`.")
+        exits = any(getattr(exit_settings, part, None) is not None for part in ENCODER_PARTS)
+        if exits and (output_attentions or output_hidden_states):
+            raise ValueError("`output_attentions` / `output_hidden_states` are not available with encoder exits.")
+        sequence = self.embed(input_ids, attention_mask, pixel_values)
         # One LayerDrop draw per forward, so both streams of a decomposed encoder skip the same layers.
         layers = layers_to_run(len(self.layers), self.config.encoder_layerdrop, self.training)
-        if not decomposed:
-            final, states, attentions, exit_layers = self.run_layers(
-                hidden_states,
-                absolute,
-                num_image,
-                text_buckets,
-                image_buckets,
-                layers,
-                output_attentions,
-                controllers["encoder"],
-                "encoder",
-                ~padding,
-                min_exit_layer=min_exit_layer,
-            )
-            # Both columns (image, text) hold the joint encoder's layers; a missing modality ran none.
-            exit_layers = exit_layers[:, None] * torch.tensor(
-                [bool(num_image), bool(text_length)], device=padding.device
-            )
-        else:
-            # MuE: each modality attends only to itself; the streams meet in the decoder's cross-attention.
-            image_rel = image_buckets if self.config.decomposed_image_relative_bias else None
-            streams = [
-                self.run_layers(
-                    hidden_states[:, :num_image],
-                    absolute[:, :, :num_image, :num_image],
-                    num_image,
-                    None,
-                    image_rel,
-                    layers,
-                    False,
-                    controllers["encoder_image"],
-                    "encoder_image",
-                    min_exit_layer=min_exit_layer,
-                )
-                if num_image
-                else None,
-                self.run_layers(
-                    hidden_states[:, num_image:],
-                    absolute[:, :, num_image:, num_image:],
-                    0,
-                    text_buckets,
-                    None,
-                    layers,
-                    False,
-                    controllers["encoder_text"],
-                    "encoder_text",
-                    ~padding[:, num_image:] if bool(padding.any()) else None,  # None: no pad to leave out
-                    min_exit_layer=min_exit_layer,
-                )
-                if text_length
-                else None,
-            ]
-            ran = [stream for stream in streams if stream is not None]
-            final = torch.cat([stream[0] for stream in ran], dim=1)
-            states = (
-                [torch.cat(per_layer, dim=1) for per_layer in zip(*(stream[1] for stream in ran), strict=True)]
-                if output_hidden_states
-                else []
-            )
-            attentions = []
-            no_layers = torch.zeros(padding.shape[0], dtype=torch.long, device=padding.device)
-            exit_layers = torch.stack([no_layers if stream is None else stream[3] for stream in streams], dim=1)
+        run = self.run_streams if decomposed else self.run_joint
+        final, states, attentions, exit_layers = run(
+            sequence, layers, exit_settings, output_attentions, output_hidden_states
+        )
         return OFAEncoderOutput(
             last_hidden_state=self.layer_norm(final),
-            padding_mask=padding,
-            position_embedding=position_embedding,
+            padding_mask=sequence.padding,
+            position_embedding=sequence.position_embedding,
             hidden_states=tuple(states) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,
             exit_layers=exit_layers,
