@@ -3,36 +3,34 @@
 `publish` assembles a Hub-ready folder (weights, config with `auto_map`, the remote-code files, tokenizer and
 processor files, the generation config with the calibrated exit defaults, a model card with the measured
 trade-off), checks it in a separate Python process where `hf_earlyexit` cannot be imported, and only then creates
-the repository and uploads the folder. `EarlyExitTrainer(push_to_hub=True)` writes the same card through
-`render_model_card`.
+the repository and uploads the folder. The card comes from `hf_earlyexit.model_cards`, through which
+`EarlyExitTrainer(push_to_hub=True)` writes the same card.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
-from string import Template
 from typing import Any
 
-from .modeling.generation_early_exit import EXIT_KNOBS
+import numpy as np
+import torch
+from PIL import Image
+
+from .model_cards import measured_table, read_benchmark, render_model_card
+from .modeling import EarlyExitOFAForConditionalGeneration
+from .modeling.exit_controllers import FixedLayerExit
+from .modeling.exit_knobs import NO_EXIT
+from .modeling.processing_ofa import OFAProcessor
 
 MODEL_TYPE = "ofa_early_exit"
-CARD_TEMPLATE = "ofa_early_exit.md"
-TAGS = ["early-exit", "ofa", "vision-language", "hf-earlyexit", "custom_code"]
 # Copied from the model folder when present: the calibration sweep and how the model was trained.
 RECORDS = ("calibration.json", "training_recipe.json")
-BENCHMARK_KEYS = {"task", "metric", "full", "early_exit", "wall_clock_time_reduction"}
 VALIDATION_IMAGE = "validation_image.png"
-NOT_MEASURED = (
-    "Not measured yet. Run `hf-earlyexit bench MODEL_DIR --task TASK --json >> MODEL_DIR/benchmark.jsonl` for each "
-    "task, then `hf-earlyexit publish MODEL_DIR --repo-id ...`, which puts the numbers here (and refuses a card "
-    "without them)."
-)
 
 
 class PublishError(RuntimeError):
@@ -48,105 +46,6 @@ class Published:
     folder: Path  # the assembled, validated folder
     url: str | None  # the repository's URL; None for a dry run
     validation: dict[str, Any]  # what the isolated load and generation reported
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The model card
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def read_benchmark(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a file of `hf-earlyexit bench MODEL_DIR --json` output (one JSON object per line)."""
-    records = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}, line {number}: not JSON ({error.msg}).") from None
-        missing = BENCHMARK_KEYS - set(record) if isinstance(record, dict) else BENCHMARK_KEYS
-        if missing:
-            raise ValueError(f"{path}, line {number}: not a `hf-earlyexit bench --json` record (no {sorted(missing)}).")
-        records.append(record)
-    return records
-
-
-def measured_table(records: list[dict[str, Any]]) -> str:
-    """A Markdown table of benchmark records: quality of both models, expected and wall-clock time reduction."""
-    if not records:
-        raise ValueError("No benchmark records: the card needs measured numbers (`hf-earlyexit bench --json`).")
-    rows = [
-        "| task | metric | full | early exit | % of full | expected time reduction (measured / FLOPs) "
-        "| wall-clock reduction | samples x batch | device | skipped layers' K/V |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for record in records:
-        full, early = record["full"], record["early_exit"]
-        ratio = early["quality"] / full["quality"] if full["quality"] else float("nan")
-        rows.append(
-            f"| {record['task']} | {record['metric']} | {full['quality']:.3f} | {early['quality']:.3f} "
-            f"| {ratio:.1%} | {early['expected_time_reduction']:.1%} / "
-            f"{early.get('expected_time_reduction_flops', float('nan')):.1%} "
-            f"| {record['wall_clock_time_reduction']:.1%} | {record.get('samples', '?')} x "
-            f"{record.get('batch_size', '?')} | {record.get('device', '?')} "
-            f"| {early.get('settings', {}).get('kv_strategy', EXIT_KNOBS['kv_strategy'])} |"
-        )
-    return "\n".join(rows)
-
-
-def training_summary(recipe: dict[str, Any] | None) -> str:
-    if recipe is None:
-        return "Not recorded with this folder (no `training_recipe.json`)."
-    lines = [f"- `{name}`: {value}" for name, value in recipe.get("options", {}).items()]
-    for name in ("script", "parameters", "device", "mixture", "train_runtime_seconds"):
-        if name in recipe:
-            lines.append(f"- {name.replace('_', ' ')}: {recipe[name]}")
-    return "The recipe (`training_recipe.json` in this repository):\n\n" + "\n".join(lines)
-
-
-def render_model_card(
-    repo_id: str,
-    config: dict[str, Any],
-    generation_config: dict[str, Any],
-    table: str,
-    recipe: dict[str, Any] | None = None,
-    plot: str | None = None,
-    datasets: list[str] | None = None,
-    base_model: str | None = None,
-    license: str | None = None,
-    pipeline_tag: str = "image-to-text",
-    tags: Sequence[str] = (),
-) -> str:
-    """The README.md of a published model: Hub metadata (`tags` after the library's own), then the template in
-    `model_cards/` filled with the usage code, the measured `table` (`measured_table`), the `plot` (a file name in
-    the repository), the training recipe and the limitations."""
-    from huggingface_hub import ModelCardData
-
-    data = ModelCardData(
-        library_name="transformers",
-        pipeline_tag=pipeline_tag,
-        tags=[*TAGS, *(tag for tag in tags if tag not in TAGS)],
-        datasets=datasets or None,
-        base_model=base_model,
-        license=license,
-    )
-    knobs = {name: generation_config[name] for name in EXIT_KNOBS if generation_config.get(name) is not None}
-    body = Template(resources.files("hf_earlyexit.model_cards").joinpath(CARD_TEMPLATE).read_text())
-    architecture = (
-        f"{config.get('encoder_layers')} encoder and {config.get('decoder_layers')} decoder layers, "
-        f"d_model {config.get('d_model')}"
-    )
-    text = body.substitute(
-        title=repo_id.split("/")[-1],
-        architecture=architecture,
-        repo_id=repo_id,
-        settings=f"`{json.dumps(knobs)}`" if knobs else "none (the model runs at full depth unless asked to exit)",
-        table=table,
-        plot=f"\n![Quality against expected time reduction]({plot})\n" if plot else "",
-        training=training_summary(recipe),
-    )
-    return f"---\n{data.to_yaml()}\n---\n\n{text}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -191,8 +90,6 @@ def assemble(
     `RECORDS`, the plot and the card. `benchmark`: files of `bench --json` lines (default the folder's
     benchmark.jsonl); `plot`: a PNG (default the folder's tradeoff.png). `card_fields` go to `render_model_card`.
     Refuses a card without measured numbers and an `output_dir` that holds something other than a model folder."""
-    from . import EarlyExitOFAForConditionalGeneration, OFAProcessor
-
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     check_repo_id(repo_id)
     config = check_model_dir(model_dir)
@@ -270,16 +167,7 @@ def validate_folder(folder: str | Path, timeout: float = 600) -> dict[str, Any]:
     empty modules cache) and generate with no exit, with the saved exit defaults and with every token exiting after
     decoder layer 1; check the exits happened and that the full model gives this package's tokens. Returns the
     subprocess's report; raises ValueError with the reason otherwise."""
-    import os
-
-    import numpy as np
-    import torch
-    from PIL import Image
-
-    from . import EarlyExitOFAForConditionalGeneration, FixedLayerExit, OFAProcessor
-
     folder = Path(folder)
-    no_exit = {name: value for name, value in EXIT_KNOBS.items() if name != "exit_controller"}
     with tempfile.TemporaryDirectory() as scratch:
         image_path = Path(scratch) / VALIDATION_IMAGE
         pixels = np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8)
@@ -288,7 +176,7 @@ def validate_folder(folder: str | Path, timeout: float = 600) -> dict[str, Any]:
         env.pop("PYTHONPATH", None)
         try:
             result = subprocess.run(
-                [sys.executable, "-c", VALIDATION_SCRIPT, str(folder.resolve()), str(image_path), json.dumps(no_exit)],
+                [sys.executable, "-c", VALIDATION_SCRIPT, str(folder.resolve()), str(image_path), json.dumps(NO_EXIT)],
                 capture_output=True, text=True, env=env, cwd=scratch, timeout=timeout,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
@@ -303,7 +191,7 @@ def validate_folder(folder: str | Path, timeout: float = 600) -> dict[str, Any]:
         )
         with torch.no_grad():
             expected = {
-                name: model.generate(**inputs, **no_exit, **extra, max_new_tokens=8, do_sample=False, num_beams=1)
+                name: model.generate(**inputs, **(NO_EXIT | extra), max_new_tokens=8, do_sample=False, num_beams=1)
                 for name, extra in (("full", {}), ("first_layer", {"exit_controller": FixedLayerExit(1)}))
             }
     depth = model.config.decoder_layers
@@ -374,15 +262,4 @@ def publish(
     return Published(folder, str(url), report)
 
 
-__all__ = [
-    "NOT_MEASURED",
-    "PublishError",
-    "Published",
-    "assemble",
-    "check_card",
-    "measured_table",
-    "publish",
-    "read_benchmark",
-    "render_model_card",
-    "validate_folder",
-]
+__all__ = ["PublishError", "Published", "assemble", "check_card", "publish", "validate_folder"]

@@ -1,1 +1,132 @@
-"""Model card templates (`string.Template`, `$name` fields) that `hf_earlyexit.publishing` fills at publish time."""
+"""The model card of a published early-exit OFA model: the template `ofa_early_exit.md` (`string.Template`, `$name`
+fields) and what fills it, the measured trade-off first.
+
+`hf_earlyexit.publishing` writes it into the Hub folder it assembles; `EarlyExitTrainer.create_model_card` writes it
+after training. A leaf: it imports nothing of ours but the exit knobs.
+"""
+
+import json
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from string import Template
+from typing import Any
+
+from ..modeling.exit_knobs import EXIT_KNOBS
+
+CARD_TEMPLATE = "ofa_early_exit.md"
+TAGS = ["early-exit", "ofa", "vision-language", "hf-earlyexit", "custom_code"]
+# What every `hf-earlyexit bench --json` record holds.
+BENCHMARK_KEYS = {"task", "metric", "full", "early_exit", "wall_clock_time_reduction"}
+NOT_MEASURED = (
+    "Not measured yet. Run `hf-earlyexit bench MODEL_DIR --task TASK --json >> MODEL_DIR/benchmark.jsonl` for each "
+    "task, then `hf-earlyexit publish MODEL_DIR --repo-id ...`, which puts the numbers here (and refuses a card "
+    "without them)."
+)
+
+
+def read_benchmark(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a file of `hf-earlyexit bench MODEL_DIR --json` output (one JSON object per line)."""
+    records = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}, line {number}: not JSON ({error.msg}).") from None
+        missing = BENCHMARK_KEYS - set(record) if isinstance(record, dict) else BENCHMARK_KEYS
+        if missing:
+            raise ValueError(f"{path}, line {number}: not a `hf-earlyexit bench --json` record (no {sorted(missing)}).")
+        records.append(record)
+    return records
+
+
+def measured_table(records: list[dict[str, Any]]) -> str:
+    """A Markdown table of benchmark records: quality of both models, expected and wall-clock time reduction."""
+    if not records:
+        raise ValueError("No benchmark records: the card needs measured numbers (`hf-earlyexit bench --json`).")
+    rows = [
+        "| task | metric | full | early exit | % of full | expected time reduction (measured / FLOPs) "
+        "| wall-clock reduction | samples x batch | device | skipped layers' K/V |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for record in records:
+        full, early = record["full"], record["early_exit"]
+        ratio = early["quality"] / full["quality"] if full["quality"] else float("nan")
+        rows.append(
+            f"| {record['task']} | {record['metric']} | {full['quality']:.3f} | {early['quality']:.3f} "
+            f"| {ratio:.1%} | {early['expected_time_reduction']:.1%} / "
+            f"{early.get('expected_time_reduction_flops', float('nan')):.1%} "
+            f"| {record['wall_clock_time_reduction']:.1%} | {record.get('samples', '?')} x "
+            f"{record.get('batch_size', '?')} | {record.get('device', '?')} "
+            f"| {early.get('settings', {}).get('kv_strategy', EXIT_KNOBS['kv_strategy'])} |"
+        )
+    return "\n".join(rows)
+
+
+def training_summary(recipe: dict[str, Any] | None) -> str:
+    """The card's training section: the recipe's options, then what else it recorded."""
+    if recipe is None:
+        return "Not recorded with this folder (no `training_recipe.json`)."
+    lines = [f"- `{name}`: {value}" for name, value in recipe.get("options", {}).items()]
+    for name in ("script", "parameters", "device", "mixture", "train_runtime_seconds"):
+        if name in recipe:
+            lines.append(f"- {name.replace('_', ' ')}: {recipe[name]}")
+    return "The recipe (`training_recipe.json` in this repository):\n\n" + "\n".join(lines)
+
+
+def render_model_card(
+    repo_id: str,
+    config: dict[str, Any],
+    generation_config: dict[str, Any],
+    table: str,
+    recipe: dict[str, Any] | None = None,
+    plot: str | None = None,
+    datasets: list[str] | None = None,
+    base_model: str | None = None,
+    license: str | None = None,
+    pipeline_tag: str = "image-to-text",
+    tags: Sequence[str] = (),
+) -> str:
+    """The README.md of a published model: Hub metadata (`tags` after the library's own), then the template in
+    `model_cards/` filled with the usage code, the measured `table` (`measured_table`), the `plot` (a file name in
+    the repository), the training recipe and the limitations."""
+    from huggingface_hub import ModelCardData
+
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag=pipeline_tag,
+        tags=[*TAGS, *(tag for tag in tags if tag not in TAGS)],
+        datasets=datasets or None,
+        base_model=base_model,
+        license=license,
+    )
+    knobs = {name: generation_config[name] for name in EXIT_KNOBS if generation_config.get(name) is not None}
+    body = Template(resources.files(__name__).joinpath(CARD_TEMPLATE).read_text())
+    architecture = (
+        f"{config.get('encoder_layers')} encoder and {config.get('decoder_layers')} decoder layers, "
+        f"d_model {config.get('d_model')}"
+    )
+    text = body.substitute(
+        title=repo_id.split("/")[-1],
+        architecture=architecture,
+        repo_id=repo_id,
+        settings=f"`{json.dumps(knobs)}`" if knobs else "none (the model runs at full depth unless asked to exit)",
+        table=table,
+        plot=f"\n![Quality against expected time reduction]({plot})\n" if plot else "",
+        training=training_summary(recipe),
+    )
+    return f"---\n{data.to_yaml()}\n---\n\n{text}"
+
+
+__all__ = [
+    "BENCHMARK_KEYS",
+    "CARD_TEMPLATE",
+    "NOT_MEASURED",
+    "TAGS",
+    "measured_table",
+    "read_benchmark",
+    "render_model_card",
+    "training_summary",
+]

@@ -1,11 +1,16 @@
 """Training arguments of `EarlyExitTrainer`: the Seq2Seq arguments plus the exit loss and its knobs."""
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from transformers import Seq2SeqTrainingArguments
 
-EXIT_LOSSES = ("layerwise", "deep_supervision", "distill", "adversarial", "none")
-WEIGHTINGS = ("uniform", "increasing")
+ExitLoss = Literal["layerwise", "deep_supervision", "distill", "adversarial", "none"]
+Weighting = Literal["uniform", "increasing"]
+EXIT_LOSSES: tuple[str, ...] = get_args(ExitLoss)
+WEIGHTINGS: tuple[str, ...] = get_args(Weighting)
+# The losses that train without labels: they distil the last layer's distribution instead.
+LABEL_FREE_LOSSES: tuple[ExitLoss, ...] = ("distill", "adversarial")
 
 
 @dataclass
@@ -40,9 +45,10 @@ class EarlyExitTrainingArguments(Seq2SeqTrainingArguments):
         pre-trained encoder saturating); a model trained from scratch needs this for encoder exits to keep quality.
     """
 
-    exit_loss: str = field(default="layerwise", metadata={"help": f"One of {EXIT_LOSSES}."})
+    exit_loss: ExitLoss = field(default="layerwise", metadata={"help": "The loss that trains the exits."})
+    # A string, not a `Weighting`: it may also be a list of weights.
     exit_loss_weights: str = field(
-        default="uniform", metadata={"help": "'uniform', 'increasing' or one comma-separated weight per loss term."}
+        default="uniform", metadata={"help": f"One of {list(WEIGHTINGS)} or one comma-separated weight per loss term."}
     )
     freeze_backbone: bool = field(default=False, metadata={"help": "Train the exit heads only."})
     distill_temperature: float = field(default=1.0, metadata={"help": "Temperature of the KL terms."})
@@ -88,4 +94,4 @@ class EarlyExitTrainingArguments(Seq2SeqTrainingArguments):
         return weights
 
 
-__all__ = ["EXIT_LOSSES", "EarlyExitTrainingArguments"]
+__all__ = ["EXIT_LOSSES", "LABEL_FREE_LOSSES", "WEIGHTINGS", "EarlyExitTrainingArguments", "ExitLoss", "Weighting"]

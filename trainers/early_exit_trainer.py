@@ -1,16 +1,18 @@
 """EarlyExitTrainer: trains OFA's exits the way each seed method does, with the stock Trainer loop.
 
+The losses, one pure function per `exit_loss`, are in `losses`, with their formulas:
+
+    layerwise          L = Σ_l w_l · CE(head(h_l), y)                     l over the exits and the last layer (MuE)
+    deep_supervision   L = Σ_l w_l · CE(head(adapter_l(h_l)), y) / Σ_l w_l                                (DEED)
+    distill            L = Σ_e w_e · T² · KL(p_last^T ‖ p_e^T)                              no labels needed
+    adversarial        L = Σ_e w_e · task_e + a · Σ_e BCE(D_e(f_e), real)     task_e = CE with labels, else KL
+                       L_D = Σ_e BCE(D_e(f_last), real) + BCE(D_e(f_e), fake), stepped by its own optimizer
+    none               L = w · CE(head(h_last), y)
+
 Every loss term is a sum over target tokens, divided by the target tokens of the whole accumulated batch on every
 process (the count the Trainer makes for `num_items_in_batch`), so gradient accumulation and data parallelism give
 the update of one large batch. Each term, as a per-token mean, is logged as `loss_exit_{layer}`,
 `loss_final`, `loss_adv_{layer}` and `loss_disc`.
-
-    layerwise          L = sum_l w_l CE(head(LN(h_l)), y)                      l in exits + last (MuE)
-    deep_supervision   L = sum_l w_l CE(head(LN(adapter_l(h_l))), y) / sum_l w_l                  (DEED)
-    distill            L = sum_e w_e T^2 KL(p_last^T || p_e^T)                  no labels needed
-    adversarial        L = sum_e w_e task_e + a * sum_e BCE(D_e(f_e), real)    task_e = CE with labels, else KL
-                       L_D = sum_e BCE(D_e(f_last), real) + BCE(D_e(f_e), fake), stepped by its own optimizer
-    none               L = CE(head(LN(h_last)), y)
 
 With `encoder_exit_sampling`, a fraction of the rows see the encoder stopped after a random layer, so the same
 losses also teach the decoder to work from the states that encoder exits leave.
@@ -27,30 +29,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Seq2SeqTrainer
 
+from ..model_cards import NOT_MEASURED, measured_table, read_benchmark, render_model_card
 from ..modeling.exit_controllers import FixedLayerExit
 from ..modeling.generation_early_exit import EarlyExitSettings
 from .discriminator import ExitDiscriminators
-from .early_exit_config import EarlyExitTrainingArguments
+from .early_exit_config import LABEL_FREE_LOSSES, EarlyExitTrainingArguments
+from .losses import (
+    adversarial_loss,
+    deep_supervision_loss,
+    discriminator_loss,
+    distillation_loss,
+    final_layer_loss,
+    layerwise_loss,
+)
 
 # The model's exit-head modules: all that `freeze_backbone` leaves trainable.
 EXIT_HEAD_MODULES = ("exit_adapters", "exit_transformer_layers")
 DISCRIMINATORS_NAME = "discriminators.pt"
-
-
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    """Sum over N target tokens of the (smoothed) cross-entropy; logits [N, V], targets [N]."""
-    return F.cross_entropy(logits.float(), targets, reduction="sum", label_smoothing=label_smoothing)
-
-
-def distillation_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Sum over N tokens of T^2 * KL(softmax(teacher / T) || softmax(student / T)); logits [N, V]."""
-    teacher = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    student = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    return temperature**2 * (teacher.exp() * (teacher - student)).sum()
 
 
 class EarlyExitTrainer(Seq2SeqTrainer):
@@ -157,76 +155,84 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        args = self.args
         labels = inputs.get("labels")
-        if labels is None and args.exit_loss not in ("distill", "adversarial"):
-            raise ValueError(f"exit_loss={args.exit_loss!r} needs `labels`; 'distill' and 'adversarial' do without.")
+        if labels is None and self.args.exit_loss not in LABEL_FREE_LOSSES:
+            raise ValueError(
+                f"exit_loss={self.args.exit_loss!r} needs `labels`; 'distill' and 'adversarial' do without."
+            )
         outputs = model(
             **inputs,
             use_cache=False,
-            output_exit_hidden_states=args.exit_loss != "none",
+            output_exit_hidden_states=self.args.exit_loss != "none",
             exit_settings=self.sampled_encoder_exits(inputs) if model.training else None,
         )
-        head = self.accelerator.unwrap_model(model).get_output_embeddings()
-
-        # The target tokens: every loss reads the exits' features there only, [batch, length] -> [N, ...].
+        # The target tokens: every loss reads the model's outputs there only, [batch, length] -> [N, ...].
         if labels is not None:
             mask = labels.ne(-100)
         else:
             mask = inputs.get("decoder_attention_mask", torch.ones_like(inputs["decoder_input_ids"])).bool()
-        targets = labels[mask] if labels is not None else None  # [N]
+        loss, terms = self.exit_loss_and_terms(model, outputs, mask, labels[mask] if labels is not None else None)
         tokens = mask.sum()
-        if labels is not None and num_items_in_batch is not None:  # every process's accumulated batch
-            normaliser = num_items_in_batch
-            # DDP averages the gradients over processes, which the global count already accounted for.
-            scale = self.accelerator.num_processes if model.training and args.average_tokens_across_devices else 1
-        else:
-            normaliser = tokens
-            scale = 1 / self.current_gradient_accumulation_steps if model.training else 1
-
-        # Each term: a sum over the target tokens.
-        terms: dict[str, torch.Tensor] = {}
-        smoothing = args.label_smoothing_factor
-        final_logits = outputs.logits[mask]  # [N, V]
-        if args.exit_loss == "none":
-            terms["loss_final"] = cross_entropy_sum(final_logits, targets, smoothing)
-        else:
-            exits = [features[mask] for features in outputs.exit_hidden_states]  # each exit's [N, d], then the last's
-            for layer, features in zip(self.exit_points, exits[:-1], strict=True):
-                logits = head(features)
-                if labels is not None and args.exit_loss != "distill":
-                    terms[f"loss_exit_{layer}"] = cross_entropy_sum(logits, targets, smoothing)
-                else:
-                    terms[f"loss_exit_{layer}"] = distillation_sum(
-                        logits, final_logits.detach(), args.distill_temperature
-                    )
-            if args.exit_loss in ("layerwise", "deep_supervision"):
-                terms["loss_final"] = cross_entropy_sum(final_logits, targets, smoothing)
-
-        loss = sum(weight * term for weight, term in zip(self.loss_weights, terms.values(), strict=True))
-        if args.exit_loss == "deep_supervision":
-            loss = loss / sum(self.loss_weights)
-        if args.exit_loss == "adversarial":
-            real = exits[-1].detach()  # [N, d]: the last layer's features
-            fake = torch.stack(exits[:-1])  # [exits, N, d]
-            # The generators' loss sees the discriminators as constants: no gradient into them, no DDP hook.
-            discriminators = self.accelerator.unwrap_model(self.discriminators)
-            frozen = {name: parameter.detach() for name, parameter in discriminators.named_parameters()}
-            fake_logits = torch.func.functional_call(discriminators, frozen, (fake,))
-            adversarial = F.binary_cross_entropy_with_logits(
-                fake_logits, torch.ones_like(fake_logits), reduction="none"
-            ).sum(dim=-1)  # [exits]
-            for layer, term in zip(self.exit_points, adversarial, strict=True):
-                terms[f"loss_adv_{layer}"] = term
-            loss = loss + args.adversarial_weight * adversarial.sum()
-            if model.training:
-                self._adversarial_features = (real, fake.detach())
-        loss = loss / normaliser * scale
-
+        # The Trainer's `num_items_in_batch` counts label tokens: without labels, the batch's own count serves.
+        loss = self.normalise(loss, model, num_items_in_batch if labels is not None else None, tokens)
         if model.training:
             for name, term in terms.items():
                 self._exit_metrics[name].append(term.detach() / tokens.clamp(min=1))
         return (loss, outputs) if return_outputs else loss
+
+    def exit_loss_and_terms(
+        self, model: nn.Module, outputs: Any, mask: torch.Tensor, targets: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`args.exit_loss` on the target tokens (`mask` [batch, length], `targets` [N] or None): the loss summed
+        over them and its terms (see `losses`)."""
+        args, weights, smoothing = self.args, self.loss_weights, self.args.label_smoothing_factor
+        final_logits = outputs.logits[mask]  # [N, V]
+        if args.exit_loss == "none":
+            return final_layer_loss(final_logits, targets, weights, smoothing)
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        *features, last = (states[mask] for states in outputs.exit_hidden_states)  # each exit's [N, d], the last's
+        exits = dict(zip(self.exit_points, features, strict=True))
+        match args.exit_loss:
+            case "layerwise":
+                return layerwise_loss(exits, head, final_logits, targets, weights, smoothing)
+            case "deep_supervision":
+                return deep_supervision_loss(exits, head, final_logits, targets, weights, smoothing)
+            case "distill":
+                return distillation_loss(exits, head, final_logits, weights, args.distill_temperature)
+        # "adversarial": the discriminators judge the exits' features.
+        fake = torch.stack(features)  # [exits, N, d]
+        if model.training:  # what `discriminator_step` trains on once the model has stepped
+            self._adversarial_features = (last.detach(), fake.detach())
+        return adversarial_loss(
+            exits,
+            head,
+            final_logits,
+            targets,
+            self.frozen_discriminator_logits(fake),
+            weights,
+            args.adversarial_weight,
+            smoothing,
+            args.distill_temperature,
+        )
+
+    def frozen_discriminator_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The discriminators' logits [exits, N] on `features` [exits, N, d], the discriminators held constant: the
+        generators' loss sends no gradient into them and fires no DDP hook."""
+        discriminators = self.accelerator.unwrap_model(self.discriminators)
+        frozen = {name: parameter.detach() for name, parameter in discriminators.named_parameters()}
+        return torch.func.functional_call(discriminators, frozen, (features,))
+
+    def normalise(
+        self, loss: torch.Tensor, model: nn.Module, num_items_in_batch: torch.Tensor | int | None, tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """The token sum `loss` divided by the target tokens of every process's accumulated batch when the Trainer
+        counted them (`num_items_in_batch`), else by this batch's `tokens` and the accumulation steps."""
+        if num_items_in_batch is not None:
+            # DDP averages the gradients over processes, which the global count already accounted for.
+            scale = self.accelerator.num_processes if model.training and self.args.average_tokens_across_devices else 1
+            return loss / num_items_in_batch * scale
+        scale = 1 / self.current_gradient_accumulation_steps if model.training else 1
+        return loss / tokens * scale
 
     # --- the discriminators' step -------------------------------------------------------------------------------
 
@@ -247,11 +253,7 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         syncing = self.accelerator.sync_gradients
         with contextlib.nullcontext() if syncing else self.accelerator.no_sync(self.discriminators):
             real_logits = self.discriminators(real.expand(fake.shape[0], -1, -1))
-            fake_logits = self.discriminators(fake)
-            ones, zeros = torch.ones_like(real_logits), torch.zeros_like(fake_logits)
-            real_loss = F.binary_cross_entropy_with_logits(real_logits, ones, reduction="none").mean(dim=-1)
-            fake_loss = F.binary_cross_entropy_with_logits(fake_logits, zeros, reduction="none").mean(dim=-1)
-            loss = (real_loss + fake_loss).sum()  # per exit a mean over tokens, summed over exits
+            loss = discriminator_loss(real_logits, self.discriminators(fake))
             self.accelerator.backward(loss / self.current_gradient_accumulation_steps)
         self.discriminator_optimizer.step()
         self.discriminator_optimizer.zero_grad()
@@ -302,8 +304,6 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         numbers once the output folder has a `benchmark.jsonl` (`hf-earlyexit bench --json`)."""
         if not self.is_world_process_zero():
             return
-        from ..publishing import NOT_MEASURED, measured_table, read_benchmark, render_model_card  # lazily: a cycle
-
         output = Path(self.args.output_dir)
         benchmark = output / "benchmark.jsonl"
         args = self.args

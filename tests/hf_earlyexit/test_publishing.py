@@ -12,14 +12,8 @@ import hf_earlyexit
 from hf_earlyexit import publishing
 from hf_earlyexit.calibration import write_generation_defaults
 from hf_earlyexit.cli import main
-from hf_earlyexit.publishing import (
-    PublishError,
-    assemble,
-    measured_table,
-    publish,
-    read_benchmark,
-    validate_folder,
-)
+from hf_earlyexit.model_cards import measured_table, read_benchmark
+from hf_earlyexit.publishing import PublishError, assemble, publish, validate_folder
 from hf_earlyexit.training import small_model_and_processor
 
 REPO_ID = "someone/ofa-ee-tiny"
@@ -47,8 +41,10 @@ CODE_FILES = {
     "modeling_ofa.py",
     "exit_controllers.py",
     "early_exit_cache.py",
+    "exit_knobs.py",
     "generation_early_exit.py",
     "processing_ofa.py",
+    "row_exits.py",
 }
 
 
