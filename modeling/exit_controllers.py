@@ -32,7 +32,7 @@ class ExitState:
 
     part: "decoder" | "encoder_image" | "encoder_text" | "encoder".
     layer: 1-based count of layers of that part run so far.
-    step: decoding step, 0-based (0 in the encoder).
+    step: decoding step, 0-based: the decoder tokens already cached before this pass (0 in the encoder).
     hidden_states: this layer's output for the active rows, [rows, length, d_model].
     previous_hidden_states: its input, same shape.
     rows: indices of the active rows in the batch, [rows].

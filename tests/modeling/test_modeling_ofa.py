@@ -121,6 +121,29 @@ def test_set_attn_implementation_switches_paths():
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_a_registered_attention_function_runs_every_attention_of_the_model():
+    """Attention goes through Transformers' `AttentionInterface`, so a user's kernel plugs in by name."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = []
+
+    def counting_sdpa(module, query, key, value, attention_mask, **kwargs):
+        calls.append(type(module).__name__)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("counting_sdpa", counting_sdpa)
+    inputs, decoder_input_ids = tiny_inputs(), torch.tensor([[0, 5, 9, 11], [0, 7, 7, 3]])
+    model = tiny_model(attn_implementation="sdpa")
+    with torch.no_grad():
+        expected = model(**inputs, decoder_input_ids=decoder_input_ids).logits
+        model.set_attn_implementation("counting_sdpa")
+        counted = model(**inputs, decoder_input_ids=decoder_input_ids).logits
+    config = model.config
+    assert len(calls) == config.encoder_layers + 2 * config.decoder_layers  # self- and cross-attention per layer
+    torch.testing.assert_close(counted, expected, rtol=0, atol=0)
+
+
 def step_by_step_greedy(model, inputs, steps: int) -> torch.Tensor:
     """Greedy decoding by re-running the full prefix each step: no cache anywhere."""
     prefix = torch.zeros(inputs["input_ids"].shape[0], 1, dtype=torch.long)
