@@ -25,11 +25,11 @@ from collections.abc import Callable
 
 import torch
 
-from .evaluation import FULL_MODEL, TaskInputs, TaskRun, run_batch, score
+from .evaluation import TaskInputs, TaskRun, flop_costs, run_batch, score, task_inputs
 from .measures import PartCosts, expected_time_reduction
 from .modeling.configuration_ofa import OFAEarlyExitConfig
-from .modeling.early_exit_cache import KV_STRATEGIES
 from .modeling.exit_controllers import FixedLayerExit
+from .modeling.exit_knobs import KV_STRATEGIES, NO_EXIT
 from .modeling.generation_early_exit import EarlyExitSettings
 from .modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration
 
@@ -61,6 +61,17 @@ def random_inputs(config: OFAEarlyExitConfig, batch: int, image_size: int, devic
         "attention_mask": torch.ones_like(input_ids).to(device),
         "pixel_values": pixel_values.to(device, dtype),
     }
+
+
+def checked_device(name: str) -> torch.device:
+    """`name` as a torch.device; ValueError when it is malformed or absent on this machine."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"`device` must name a torch device (cpu, cuda, cuda:1, ...), got {name!r}.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"Device {name}: this machine has no CUDA device.")
+    return device
 
 
 def device_name(device: torch.device) -> str:
@@ -234,7 +245,7 @@ def measure_part_costs(model, inputs: TaskInputs, repeats: int = 3) -> PartCosts
     def decode(knobs: dict):
         return lambda index: model.generate(
             encoder_outputs=encoder_outputs[index], attention_mask=inputs.batches[index]["attention_mask"],
-            **{**FULL_MODEL, **knobs}, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1,
+            **{**NO_EXIT, **knobs}, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1,
         )  # fmt: skip
 
     functions = {"encoder": encode(), **{part: encode(part) for part in parts}}
@@ -251,13 +262,6 @@ def measure_part_costs(model, inputs: TaskInputs, repeats: int = 3) -> PartCosts
         encoder_fixed=max(0.0, seconds["encoder"] / samples - encoder_layers * encoder_layer),
         decoder_fixed=max(0.0, seconds["decoder"] / generated - decoder_layers * decoder),
     )
-
-
-def flop_costs(model, inputs: TaskInputs) -> PartCosts:
-    """`PartCosts.from_config` for the lengths of `inputs` (image tokens, the first batch's prompt, new tokens)."""
-    first = inputs.batches[0]
-    image_tokens = model.get_encoder().embed_image(first["pixel_values"][:1])[0].shape[1]
-    return PartCosts.from_config(model.config, image_tokens, first["input_ids"].shape[1], inputs.task.max_new_tokens)
 
 
 def paired_seconds(
@@ -349,6 +353,29 @@ def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: i
     }
 
 
+def model_benchmark(
+    model,
+    processor,
+    task: str,
+    knobs: dict,
+    samples: int = 500,
+    batch_size: int = 1,
+    repeats: int = 3,
+    device: str | torch.device = "cpu",
+    dtype: str = "float32",
+    meteor: bool = False,
+) -> dict:
+    """`task_benchmark` of a loaded model with `knobs` on task `task`'s first `samples` test rows, with the model
+    moved to `device` and `dtype`. ValueError when `knobs` make no part exit."""
+    if not EarlyExitSettings.from_knobs(model.config, **knobs).exits:
+        raise ValueError(
+            "No exit setting: give an exit threshold, or calibrate the model (`hf-earlyexit calibrate --write`)."
+        )
+    model.to(device=device, dtype=getattr(torch, dtype))
+    inputs = task_inputs(task, processor, "test", samples, batch_size, model.device)
+    return task_benchmark(model, processor, inputs, knobs, repeats, meteor=meteor)
+
+
 def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str) -> dict:
     scale = 1000.0 if unit == "ms_per_token" else 1.0
     return {
@@ -364,9 +391,10 @@ def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str
 
 
 __all__ = [
-    "flop_costs",
+    "checked_device",
     "forced_exit_benchmark",
     "measure_part_costs",
+    "model_benchmark",
     "paired_seconds",
     "task_benchmark",
     "training_step_benchmark",

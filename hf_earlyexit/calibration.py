@@ -3,19 +3,23 @@ setting within a quality tolerance of the full model, and the same choice with a
 (Learn then Test, Angelopoulos et al. 2021: fixed-sequence testing with Hoeffding p-values, as CALM does).
 
 `sweep` evaluates each candidate setting of a grid on a calibration split and records an `OperatingPoint`; the
-choosing functions only choose among points, so they are exact on any score table.
+choosing functions only choose among points, so they are exact on any score table. `calibrate` is the whole run
+behind `hf-earlyexit calibrate`: sweep every task, choose one setting for all, and save it as the model's defaults.
 """
 
 import itertools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from .evaluation import TaskInputs, disagreement, run_task, score
+from .benchmark import measure_part_costs
+from .evaluation import TaskInputs, disagreement, run_task, score, task_inputs
 from .measures import PartCosts, expected_time_reduction
-from .modeling.generation_early_exit import ENCODER_PARTS, EXIT_KNOBS, EarlyExitSettings
+from .modeling.exit_knobs import ENCODER_PARTS, EXIT_KNOBS
+from .modeling.generation_early_exit import EarlyExitSettings
 
 # The default grid: the decoder's policies with their thresholds, and the encoder streams' similarity thresholds.
 # The encoder's reach down to 0.9: on the embedded model a stream's layer-2 output is 0.88-0.94 similar to its
@@ -199,14 +203,112 @@ def write_generation_defaults(model, settings: dict[str, Any]) -> None:
     model.generation_config._from_model_config = False
 
 
+# Per task: the full model's point and the grid's.
+Sweeps = dict[str, tuple[OperatingPoint, list[OperatingPoint]]]
+
+
+def calibrate(
+    model,
+    processor,
+    tasks: Sequence[str],
+    split: str = "validation",
+    samples: int = 300,
+    batch_size: int = 64,
+    tolerance: float = 0.01,
+    delta: float = 0.1,
+    decoder_thresholds: dict[str, Sequence[float]] = DECODER_THRESHOLDS,
+    encoder_thresholds: Sequence[float] = ENCODER_THRESHOLDS,
+    plot: Callable[[Sweeps, dict[str, Any] | None], Path] | None = None,
+    write_to: str | Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Sweep the grid of `decoder_thresholds` x `encoder_thresholds` on each task's first `samples` rows of `split`
+    and choose the fastest setting within `tolerance` of the full model on every task (with the shallowest encoder
+    exit seen as `encoder_min_exit_layer`). Returns the JSON report `hf-earlyexit calibrate` prints: per task the
+    full quality, the Pareto frontier, the Learn-then-Test choice at level `delta` and the chosen setting's point.
+
+    plot: draws the sweeps with the chosen setting and returns the file, e.g.
+        `lambda sweeps, chosen: plots.tradeoff_plot(sweeps, path, chosen)` (a callable: `plots` imports this module).
+    write_to: the model's folder, where the choice is saved as its generation defaults and the report as
+        calibration.json; ValueError, and nothing written, when no setting is within `tolerance` on every task.
+    """
+    grid = calibration_grid(model.config, decoder_thresholds, encoder_thresholds)
+    report: dict[str, Any] = {"split": split, "tolerance": tolerance, "points": len(grid), "tasks": {}}
+    sweeps: Sweeps = {}
+    for name in tasks:
+        inputs = task_inputs(name, processor, split, samples, batch_size)
+        sweeps[name] = sweep(model, processor, inputs, grid, measure_part_costs(model, inputs), progress=progress)
+        report["tasks"][name] = task_report(*sweeps[name], tolerance, delta)
+    chosen = fastest_for_every_task(sweeps, tolerance)
+    chosen_points = []
+    for name, (full, points) in sweeps.items():
+        point = next((p for p in points if p.settings == chosen), None)
+        chosen_points.append(point)
+        report["tasks"][name]["chosen"] = None if point is None else chosen_report(point, full)
+    if plot is not None:
+        report["plot"] = str(plot(sweeps, chosen))
+    report["chosen"] = None if chosen is None else with_encoder_min_exit_layer(chosen, chosen_points)
+    if write_to is not None:
+        report["written_to"] = str(save_calibration(model, report, write_to))
+    return report
+
+
+def task_report(
+    full: OperatingPoint, points: Sequence[OperatingPoint], tolerance: float, delta: float
+) -> dict[str, Any]:
+    """A task's part of the calibration report: the full model's quality, the Pareto frontier and the setting
+    Learn then Test certifies (risk level `tolerance`, error level `delta`)."""
+    guaranteed = learn_then_test(points, risk_level=tolerance, delta=delta)
+    return {
+        "full_quality": full.quality,
+        "pareto_frontier": [
+            {
+                "settings": p.settings,
+                "quality": p.quality,
+                "expected_time_reduction": p.expected_time_reduction,
+                "seconds": p.seconds,
+            }
+            for p in pareto_frontier(points)
+        ],
+        "learn_then_test": None if guaranteed is None else guaranteed.settings,
+    }
+
+
+def chosen_report(point: OperatingPoint, full: OperatingPoint) -> dict[str, Any]:
+    """The chosen setting's point on one task, against the full model's."""
+    return {
+        "quality": point.quality,
+        "quality_ratio": point.quality / full.quality if full.quality else None,
+        "expected_time_reduction": point.expected_time_reduction,
+        "seconds": point.seconds,
+        "full_seconds": full.seconds,
+    }
+
+
+def save_calibration(model, report: dict[str, Any], model_dir: str | Path) -> Path:
+    """Save `report["chosen"]` as the generation defaults of `model` in `model_dir` and the report beside it as
+    calibration.json; returns the generation config's path. ValueError, nothing written, when nothing was chosen."""
+    if report["chosen"] is None:
+        raise ValueError(
+            f"No setting keeps every task within {report['tolerance']:.1%} of the full model: nothing written."
+        )
+    write_generation_defaults(model, report["chosen"])
+    model.generation_config.save_pretrained(model_dir)
+    Path(model_dir, "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+    return Path(model_dir, "generation_config.json")
+
+
 __all__ = [
     "OperatingPoint",
+    "Sweeps",
+    "calibrate",
     "calibration_grid",
     "fastest_for_every_task",
     "fastest_within_tolerance",
     "hoeffding_p_value",
     "learn_then_test",
     "pareto_frontier",
+    "save_calibration",
     "sweep",
     "with_encoder_min_exit_layer",
     "write_generation_defaults",

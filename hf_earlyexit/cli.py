@@ -1,302 +1,152 @@
 """`hf-earlyexit` command line: convert, caption, train, eval, calibrate, bench, demo, publish.
 
-Every user error (bad path, unreadable image, wrong model folder, bad option) ends in one line on stderr and
-exit status 2, never a traceback.
+It only parses options, calls the library (`loading`, `evaluation`, `calibration`, `benchmark`, `demo`, `training`,
+`publishing`) and prints what it returns. Every user error (bad path, unreadable image, wrong model folder, bad
+option) ends in one line on stderr and exit status 2, never a traceback.
 """
 
 import argparse
 import json
 import sys
-import time
-from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .data import CAPTION_PROMPT
-from .modeling.early_exit_cache import KV_STRATEGIES
-from .modeling.exit_controllers import POLICY_NAMES
-from .modeling.generation_early_exit import EXIT_KNOBS, EarlyExitSettings
-from .publishing import PublishError, check_model_dir, publish
+from .loading import build_processor, load_image, load_model_and_processor
+from .modeling.exit_knobs import EXIT_KNOBS, KV_STRATEGIES, POLICY_NAMES
+from .publishing import PublishError, publish
 
-
-def load_image(path: str):
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except FileNotFoundError:
-        raise ValueError(f"No image at {path}.") from None
-    except (UnidentifiedImageError, OSError) as error:
-        raise ValueError(f"Cannot read {path} as an image ({error}).") from None
-
-
-def load_model_and_processor(model_dir: str, **config_fields):
-    """A saved hf-earlyexit model (in eval mode) and its processor; `config_fields` override the config (e.g. to
-    add exit heads)."""
-    from transformers import AutoModel, AutoProcessor
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()  # the weight-loading bar would break the CLI's one-line errors
-    path = Path(model_dir)
-    check_model_dir(path)
-    model = AutoModel.from_pretrained(path, trust_remote_code=True, **config_fields).eval()
-    processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
-    return model, processor
-
-
-def caption_images(model, processor, images: list, prompt: str, num_beams: int, max_new_tokens: int):
+if TYPE_CHECKING:
     import torch
 
-    inputs = processor(images=images, text=[prompt] * len(images), return_tensors="pt")
-    start = time.perf_counter()
-    with torch.no_grad():
-        sequences = model.generate(**inputs, num_beams=num_beams, max_new_tokens=max_new_tokens)
-    seconds = time.perf_counter() - start
-    return processor.batch_decode(sequences, skip_special_tokens=True), sequences, seconds
+
+def print_report(report: dict[str, Any], one_line: bool) -> None:
+    print(json.dumps(report, indent=None if one_line else 2))
+
+
+def given_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The exit knobs given on the command line (`add_knob_arguments`)."""
+    return {name: getattr(args, name) for name in EXIT_KNOBS if getattr(args, name, None) is not None}
+
+
+def check_samples(args: argparse.Namespace) -> None:
+    # Before the model loads, and in the option's own name.
+    if args.samples < 1:
+        raise ValueError(f"--samples must be positive, got {args.samples}.")
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
     from .convert import convert_checkpoint
-    from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 
     model = convert_checkpoint(args.source, args.target)
     print(f"converted {args.source} -> {args.target} ({model.num_parameters() / 1e6:.1f}M parameters)")
     if args.tokenizer:
-        tokenizer = OFAProcessor.build_tokenizer(args.tokenizer)
-        if len(tokenizer) != model.config.vocab_size:
-            raise ValueError(
-                f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {model.config.vocab_size}."
-            )
-        image_processor = OFAImageProcessor(size={"height": args.image_size, "width": args.image_size})
-        OFAProcessor(image_processor, tokenizer).save_pretrained(args.target)
-        print(f"saved the processor ({len(tokenizer)} tokens, {args.image_size}px images)")
+        processor = build_processor(args.tokenizer, args.image_size, model.config.vocab_size)
+        processor.save_pretrained(args.target)
+        print(f"saved the processor ({len(processor.tokenizer)} tokens, {args.image_size}px images)")
 
 
 def cmd_caption(args: argparse.Namespace) -> None:
+    from .evaluation import caption_images
+
     images = [load_image(path) for path in args.images]
     model, processor = load_model_and_processor(args.model_dir)
-    captions, _, seconds = caption_images(model, processor, images, args.prompt, args.num_beams, args.max_new_tokens)
+    captions, seconds = caption_images(model, processor, images, args.prompt, args.num_beams, args.max_new_tokens)
     for path, caption in zip(args.images, captions, strict=True):
         print(f"{path}\t{caption.strip()}")
     print(f"{len(images)} image(s) in {seconds:.2f} s", file=sys.stderr)
 
 
-EMBEDDED_MODEL_DIR = Path(__file__).parent / "embedded_model"
-DEMO_SAMPLES = {"vqa": 200, "entailment": 200, "caption": 100}
-
-
-def exit_knobs(args: argparse.Namespace, model) -> dict:
-    """The exit knobs of a run, knob by knob as `generate` resolves them: given on the command line, else the
-    model's saved generation default (what calibration wrote), so `--kv-strategy copy` alone keeps the calibrated
-    thresholds; `--full` means none."""
-    if getattr(args, "full", False):
-        return {}
-    saved = {name: getattr(model.generation_config, name, default) for name, default in EXIT_KNOBS.items()}
-    given = {name: getattr(args, name) for name in EXIT_KNOBS if getattr(args, name, None) is not None}
-    return {name: value for name, value in {**saved, **given}.items() if value != EXIT_KNOBS[name] or name in given}
-
-
-def task_inputs(name: str, processor, split: str, samples: int, batch_size: int, device: str = "cpu"):
-    from .evaluation import TaskInputs
-    from .tasks import get_task
-
-    if samples < 1:
-        raise ValueError(f"--samples must be positive, got {samples}.")
-    task = get_task(name)
-    return TaskInputs.build(task, processor, task.dataset(split, size=samples), batch_size, device)
-
-
 def cmd_demo(args: argparse.Namespace) -> None:
-    import torch
+    from .demo import demo_lines, run_demo
 
-    from .benchmark import task_benchmark
-    from .plots import exit_picture
-
-    model_dir = Path(args.model_dir or EMBEDDED_MODEL_DIR)
-    model, processor = load_model_and_processor(str(model_dir))
-    knobs = exit_knobs(args, model)
-    if not knobs:
-        raise ValueError(
-            f"{model_dir} has no calibrated exit defaults: run `hf-earlyexit calibrate {model_dir} --write`."
-        )
-    config = model.config
-    print(
-        f"Loaded {model_dir} with AutoModel/AutoProcessor (trust_remote_code=True): OFA-EE, "
-        f"{model.num_parameters() / 1e6:.1f}M parameters, {config.encoder_layers} encoder layers (image and text "
-        f"streams), {config.decoder_layers} decoder layers; calibrated exit defaults {knobs}"
-    )
-    threads = torch.get_num_threads()
-    print(f"Each task's test split through the full and the early-exit model, same inputs ({threads} CPU threads):")
-    for name, samples in DEMO_SAMPLES.items():
-        inputs = task_inputs(name, processor, "test", samples, args.batch_size)
-        report = task_benchmark(model, processor, inputs, knobs, repeats=1)
-        full, early = report["full"], report["early_exit"]
-        print(
-            f"  {name:<10} {report['metric']} {full['quality']:.3f} -> {early['quality']:.3f} "
-            f"({100 * report['quality_ratio']:.1f}% of full) | expected time reduction "
-            f"{100 * early['expected_time_reduction']:.0f}% | wall clock {full['seconds']:.2f} s -> "
-            f"{early['seconds']:.2f} s ({100 * report['wall_clock_time_reduction']:.0f}% less) | layers: image "
-            f"{early['mean_layers']['encoder_image']:.2f}, text {early['mean_layers']['encoder_text']:.2f}, decoder "
-            f"{early['mean_layers']['decoder_per_token']:.2f} per token "
-            f"(of {config.encoder_layers} / {config.decoder_layers})"
-        )
-
-    print("Examples (each token with the decoder layer it exited after):")
-    pictured = []
-    for name, count in (("vqa", 3), ("entailment", 2), ("caption", 4)):
-        inputs = task_inputs(name, processor, "test", count, count)
-        batch = inputs.batches[0]
-        with torch.no_grad():
-            out = model.generate(
-                **batch, **knobs, max_new_tokens=inputs.task.max_new_tokens, do_sample=False,
-                return_dict_in_generate=True,
-            )  # fmt: skip
-        prompts = processor.batch_decode(batch["input_ids"], skip_special_tokens=True)
-        for row, prompt in enumerate(prompts):
-            tokens = [
-                (processor.tokenizer.decode([token]).strip(), int(layer))
-                for token, layer in zip(out.sequences[row, 1:].tolist(), out.exit_layers[row].tolist(), strict=True)
-                if token not in processor.tokenizer.all_special_ids
-            ]
-            image_layers, text_layers = out.encoder_exit_layers[row].tolist()
-            shown = " ".join(f"{token}({layer})" for token, layer in tokens)
-            print(f"  [{name}]{prompt.rstrip()} -> {shown}  (encoder layers: image {image_layers}, text {text_layers})")
-            if name == "caption":
-                pictured.append(tokens)
-    picture = exit_picture(pictured, config.decoder_layers, Path(args.output_dir) / "caption_exits.png")
-    print(f"The captions' exit layers, as a picture: {picture}")
+    printed = 0
+    for report in run_demo(args.model_dir, args.output_dir, args.batch_size):  # each task's line as it finishes
+        lines = demo_lines(report)
+        for line in lines[printed:]:
+            print(line, flush=True)
+        printed = len(lines)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from .benchmark import flop_costs
-    from .evaluation import run_task, score
-    from .measures import expected_time_reduction
+    from .evaluation import evaluate_task, run_knobs
 
+    check_samples(args)
     model, processor = load_model_and_processor(args.model_dir)
-    knobs = exit_knobs(args, model)
-    inputs = task_inputs(args.task, processor, args.split, args.samples, args.batch_size)
-    run = run_task(model, processor, inputs, knobs)
-    config, costs = model.config, flop_costs(model, inputs)
-    report = {
-        "task": inputs.task.name,
-        "split": args.split,
-        "samples": inputs.samples,
-        "settings": knobs,
-        "scores": score(inputs.task, run.predictions, inputs.targets, meteor=args.meteor),
-        "expected_time_reduction_flops": expected_time_reduction(
-            run.encoder_exit_layers, run.decoder_exit_layers, costs, config.encoder_layers, config.decoder_layers
-        ),
-        "seconds": run.seconds,
-    }
-    print(json.dumps(report, indent=None if args.json else 2))
+    knobs = run_knobs(model, args.full, **given_knobs(args))
+    report = evaluate_task(model, processor, args.task, args.split, args.samples, args.batch_size, knobs, args.meteor)
+    print_report(report, args.json)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from .benchmark import measure_part_costs
-    from .calibration import (
-        ENCODER_THRESHOLDS,
-        calibration_grid,
-        fastest_for_every_task,
-        learn_then_test,
-        pareto_frontier,
-        sweep,
-        with_encoder_min_exit_layer,
-        write_generation_defaults,
-    )
+    from .calibration import ENCODER_THRESHOLDS, calibrate
     from .plots import tradeoff_plot
 
-    model, processor = load_model_and_processor(args.model_dir)
+    check_samples(args)
     encoder_thresholds = parse_floats(args.encoder_thresholds) if args.encoder_thresholds else ENCODER_THRESHOLDS
     decoder_thresholds = {policy: parse_floats(text) for policy, text in (("similarity", args.similarity_thresholds),
                           ("confidence", args.confidence_thresholds)) if text}  # fmt: skip
-    grid = calibration_grid(model.config, decoder_thresholds, encoder_thresholds)
-    sweeps, report = {}, {"split": args.split, "tolerance": args.tolerance, "points": len(grid), "tasks": {}}
-    for name in args.tasks.split(","):
-        inputs = task_inputs(name, processor, args.split, args.samples, args.batch_size)
-        costs = measure_part_costs(model, inputs)
-        full, points = sweeps[name] = sweep(model, processor, inputs, grid, costs, progress=not args.quiet)
-        guaranteed = learn_then_test(points, risk_level=args.tolerance, delta=args.delta)
-        report["tasks"][name] = {
-            "full_quality": full.quality,
-            "pareto_frontier": [
-                {
-                    "settings": p.settings,
-                    "quality": p.quality,
-                    "expected_time_reduction": p.expected_time_reduction,
-                    "seconds": p.seconds,
-                }
-                for p in pareto_frontier(points)
-            ],  # fmt: skip
-            "learn_then_test": None if guaranteed is None else guaranteed.settings,
-        }
-    chosen = fastest_for_every_task(sweeps, args.tolerance)
-    chosen_points = []
-    for name, (full, points) in sweeps.items():
-        point = next((p for p in points if p.settings == chosen), None)
-        chosen_points.append(point)
-        report["tasks"][name]["chosen"] = None if point is None else {
-            "quality": point.quality,
-            "quality_ratio": point.quality / full.quality if full.quality else None,
-            "expected_time_reduction": point.expected_time_reduction,
-            "seconds": point.seconds,
-            "full_seconds": full.seconds,
-        }  # fmt: skip
-    if args.plot:
-        report["plot"] = str(tradeoff_plot(sweeps, args.plot, chosen))
-    if chosen is not None:
-        chosen = with_encoder_min_exit_layer(chosen, chosen_points)
-    report["chosen"] = chosen
-    if args.write:
-        if chosen is None:
-            raise ValueError(
-                f"No setting keeps every task within {args.tolerance:.1%} of the full model: nothing written."
-            )
-        write_generation_defaults(model, chosen)
-        model.generation_config.save_pretrained(args.model_dir)
-        Path(args.model_dir, "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
-        report["written_to"] = str(Path(args.model_dir, "generation_config.json"))
-    print(json.dumps(report, indent=None if args.json else 2))
-
-
-def bench_device(name: str):
-    """`--device` as a torch.device, refused in one line when it is malformed or absent here."""
-    import torch
-
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device must name a torch device (cpu, cuda, cuda:1, ...), got {name!r}.") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: this machine has no CUDA device.")
-    return device
+    model, processor = load_model_and_processor(args.model_dir)
+    report = calibrate(
+        model,
+        processor,
+        args.tasks.split(","),
+        split=args.split,
+        samples=args.samples,
+        batch_size=args.batch_size,
+        tolerance=args.tolerance,
+        delta=args.delta,
+        decoder_thresholds=decoder_thresholds,
+        encoder_thresholds=encoder_thresholds,
+        plot=(lambda sweeps, chosen: tradeoff_plot(sweeps, args.plot, chosen)) if args.plot else None,
+        write_to=args.model_dir if args.write else None,
+        progress=not args.quiet,
+    )
+    print_report(report, args.json)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    import torch
+    from .benchmark import checked_device
 
-    from .benchmark import forced_exit_benchmark, task_benchmark, training_step_benchmark
+    device = checked_device(args.device)  # checked before any model is loaded
+    report = bench_model(args, device) if args.model_dir else bench_random_weights(args, device)
+    print_report(report, args.json)
 
-    device = bench_device(args.device)  # checked before any model is loaded
-    if args.model_dir:
-        if args.forced_exit is not None or args.training_step:
-            raise ValueError("Give a model folder (task benchmark) or --forced-exit / --training-step, not both.")
-        model, processor = load_model_and_processor(args.model_dir)
-        knobs = exit_knobs(args, model)
-        if not EarlyExitSettings.from_knobs(model.config, **knobs).exits:
-            raise ValueError(
-                "No exit setting: give an exit threshold, or calibrate the model (`hf-earlyexit calibrate --write`)."
-            )
-        model.to(device=device, dtype=getattr(torch, args.dtype))
-        inputs = task_inputs(args.task, processor, "test", args.samples, args.batch_size, str(model.device))
-        report = task_benchmark(model, processor, inputs, knobs, args.repeats, meteor=args.meteor)
-        print(json.dumps(report, indent=None if args.json else 2))
-        return
+
+def bench_model(args: argparse.Namespace, device: "torch.device") -> dict[str, Any]:
+    """`bench MODEL_DIR`: the full vs the early-exit model on a task."""
+    from .benchmark import model_benchmark
+    from .evaluation import run_knobs
+
+    if args.forced_exit is not None or args.training_step:
+        raise ValueError("Give a model folder (task benchmark) or --forced-exit / --training-step, not both.")
+    check_samples(args)
+    model, processor = load_model_and_processor(args.model_dir)
+    knobs = run_knobs(model, args.full, **given_knobs(args))
+    return model_benchmark(
+        model,
+        processor,
+        args.task,
+        knobs,
+        samples=args.samples,
+        batch_size=args.batch_size,
+        repeats=args.repeats,
+        device=device,
+        dtype=args.dtype,
+        meteor=args.meteor,
+    )
+
+
+def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> dict[str, Any]:
+    """`bench --forced-exit K` or `bench --training-step`: a preset's size with random weights."""
+    from .benchmark import forced_exit_benchmark, training_step_benchmark
+
     if args.forced_exit is None and not args.training_step:
         raise ValueError("Give a model folder, --forced-exit K or --training-step.")
     batch_sizes = tuple(int(size) for size in args.batch_sizes.split(",")) if args.batch_sizes else ()
     if any(size < 1 for size in batch_sizes) or args.repeats < 1 or args.new_tokens < 1:
         raise ValueError("--batch-sizes, --repeats and --new-tokens must be positive.")
     if args.training_step:
-        report = training_step_benchmark(
+        return training_step_benchmark(
             args.preset,
             exit_losses=tuple(args.exit_losses.split(",")),
             batch_size=batch_sizes[0] if batch_sizes else 8,
@@ -304,9 +154,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             target_length=args.new_tokens,
             repeats=args.repeats,
         )
-        print(json.dumps(report, indent=None if args.json else 2))
-        return
-    report = forced_exit_benchmark(
+    return forced_exit_benchmark(
         args.forced_exit,
         preset=args.preset,
         batch_sizes=batch_sizes,
@@ -317,7 +165,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
         device=device,
         dtype=args.dtype,
     )
-    print(json.dumps(report, indent=None if args.json else 2))
 
 
 def parse_floats(text: str) -> list[float]:

@@ -1,8 +1,8 @@
 """Running a task's split through `generate` and scoring it: the predictions, the layers every part ran, the
-seconds it took, and the task's metric. What the calibration and the benchmark are built on.
+seconds it took, and the task's metric. What `hf-earlyexit eval`, the calibration and the benchmark are built on.
 
 Exit knobs a call does not give fall back on the model's generation defaults (which calibration writes), so the
-full model is asked for explicitly: `FULL_MODEL` sets every knob to "no exit".
+full model is asked for explicitly: runs start from `NO_EXIT`, every knob at "no exit".
 """
 
 import time
@@ -13,12 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from .data import CAPTION_PROMPT, ImageTextCollator
+from .measures import PartCosts, expected_time_reduction
 from .metrics import load as load_metric
 from .modeling.exit_controllers import FixedLayerExit
-from .modeling.generation_early_exit import EXIT_KNOBS
-from .tasks import Task
-
-FULL_MODEL: dict[str, Any] = dict(EXIT_KNOBS)
+from .modeling.exit_knobs import NO_EXIT, non_default_knobs, resolve_knobs
+from .tasks import Task, get_task
 
 
 def normalize_answer(text: str) -> str:
@@ -49,6 +48,26 @@ class TaskInputs:
         return len(self.targets)
 
 
+def task_inputs(
+    name: str, processor, split: str, samples: int, batch_size: int, device: str | torch.device = "cpu"
+) -> TaskInputs:
+    """The first `samples` rows of task `name`'s `split` as model inputs; ValueError on an unknown task or a
+    non-positive size."""
+    if samples < 1:
+        raise ValueError(f"`samples` must be positive, got {samples}.")
+    task = get_task(name)
+    return TaskInputs.build(task, processor, task.dataset(split, size=samples), batch_size, device)
+
+
+def run_knobs(model, full: bool = False, **given: Any) -> dict[str, Any]:
+    """The exit knobs of a run, knob by knob as `generate` resolves them: `given`, else the model's saved default
+    (what calibration wrote), so `kv_strategy="copy"` alone keeps the calibrated thresholds. Knobs at their
+    default are left out unless given; `full` means none (the full model)."""
+    if full:
+        return {}
+    return {**non_default_knobs(resolve_knobs(model.config, model.generation_config, **given)), **given}
+
+
 @dataclass
 class TaskRun:
     """predictions: one text per sample. encoder_exit_layers [N, 2]: layers run per (image, text) stream.
@@ -76,7 +95,7 @@ def run_batch(
     model, processor, task: Task, batch: dict[str, torch.Tensor], knobs: dict[str, Any] | None = None, **generate_kwargs
 ) -> TaskRun:
     """Generate for one batch with `knobs` (on top of "no exit"), timing the `generate` call only."""
-    settings = {**FULL_MODEL, **(knobs or {})}
+    settings = {**NO_EXIT, **(knobs or {})}
     decoding = dict(max_new_tokens=task.max_new_tokens, num_beams=task.num_beams, do_sample=False)
     start = time.perf_counter()
     out = model.generate(**batch, **settings, **decoding, **generate_kwargs, return_dict_in_generate=True)
@@ -105,6 +124,57 @@ def score(task: Task, predictions: list[str], targets: list[str], meteor: bool =
         return metric.compute(predictions=predictions, references=targets)
     extra = {"meteor": meteor} if task.metric == "coco_caption" else {}
     return metric.compute(predictions=predictions, references=[[target] for target in targets], **extra)
+
+
+def flop_costs(model, inputs: TaskInputs) -> PartCosts:
+    """`PartCosts.from_config` for the lengths of `inputs` (image tokens, the first batch's prompt, new tokens)."""
+    first = inputs.batches[0]
+    image_tokens = model.get_encoder().embed_image(first["pixel_values"][:1])[0].shape[1]
+    return PartCosts.from_config(model.config, image_tokens, first["input_ids"].shape[1], inputs.task.max_new_tokens)
+
+
+def evaluate_task(
+    model,
+    processor,
+    task: str,
+    split: str = "test",
+    samples: int = 1000,
+    batch_size: int = 32,
+    knobs: dict[str, Any] | None = None,
+    meteor: bool = False,
+) -> dict[str, Any]:
+    """Task `task`'s first `samples` rows of `split` through `generate` with `knobs` (on top of "no exit"): the
+    scores, the expected time reduction by FLOPs and the seconds. The JSON object `hf-earlyexit eval` prints."""
+    inputs = task_inputs(task, processor, split, samples, batch_size)
+    run = run_task(model, processor, inputs, knobs)
+    config = model.config
+    return {
+        "task": inputs.task.name,
+        "split": split,
+        "samples": inputs.samples,
+        "settings": knobs or {},
+        "scores": score(inputs.task, run.predictions, inputs.targets, meteor=meteor),
+        "expected_time_reduction_flops": expected_time_reduction(
+            run.encoder_exit_layers,
+            run.decoder_exit_layers,
+            flop_costs(model, inputs),
+            config.encoder_layers,
+            config.decoder_layers,
+        ),
+        "seconds": run.seconds,
+    }
+
+
+@torch.no_grad()
+def caption_images(
+    model, processor, images: list, prompt: str = CAPTION_PROMPT, num_beams: int = 5, max_new_tokens: int = 16
+) -> tuple[list[str], float]:
+    """The captions of `images` (with the model's saved exit defaults) and the seconds `generate` took."""
+    inputs = processor(images=images, text=[prompt] * len(images), return_tensors="pt")
+    start = time.perf_counter()
+    sequences = model.generate(**inputs, num_beams=num_beams, max_new_tokens=max_new_tokens)
+    seconds = time.perf_counter() - start
+    return processor.batch_decode(sequences, skip_special_tokens=True), seconds
 
 
 def disagreement(predictions: list[str], reference_predictions: list[str]) -> list[float]:
@@ -141,7 +211,7 @@ def exit_layer_accuracy(
         for layer in layers:
             knobs = {"exit_controller": FixedLayerExit(layer)} if layer < model.config.decoder_layers else {}
             sequences = model.generate(
-                **inputs, **{**FULL_MODEL, **knobs}, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1
+                **inputs, **{**NO_EXIT, **knobs}, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1
             )
             answers = processor.batch_decode(sequences, skip_special_tokens=True)
             correct[layer] += sum(normalize_answer(a) == t for a, t in zip(answers, targets, strict=True))
@@ -149,13 +219,17 @@ def exit_layer_accuracy(
 
 
 __all__ = [
-    "FULL_MODEL",
     "TaskInputs",
     "TaskRun",
+    "caption_images",
     "disagreement",
+    "evaluate_task",
     "exit_layer_accuracy",
+    "flop_costs",
     "normalize_answer",
     "run_batch",
+    "run_knobs",
     "run_task",
     "score",
+    "task_inputs",
 ]

@@ -8,6 +8,7 @@ from typing import Any
 import datasets
 
 from .data import CAPTION_PROMPT, ImageTextCollator, easy_vqa, load_image_text_dataset, train_tokenizer
+from .loading import load_model_and_processor
 from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from .trainers import EarlyExitTrainer, EarlyExitTrainingArguments
@@ -74,8 +75,6 @@ def train_exits(
 def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **training_arguments) -> EarlyExitTrainer:
     """Load the data set and the model (`config_fields` add exit heads), train with `training_arguments` (those of
     `EarlyExitTrainingArguments`), and save the model and processor to `options.output_dir`."""
-    from .cli import load_model_and_processor
-
     text_column = options.text_column or None
     columns = (options.image_column, text_column, options.target_column)
     if options.dataset == "easy-vqa":

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_earlyexit import EarlyExitSettings, FixedLayerExit, benchmark
-from hf_earlyexit.benchmark import paired_seconds, truncated_model
+from hf_earlyexit.benchmark import checked_device, model_benchmark, paired_seconds, truncated_model
 from tests.helpers import tiny_inputs, tiny_model
 
 
@@ -51,3 +51,17 @@ def test_paired_seconds_alternates_settings_per_batch_and_sums_the_batch_medians
     assert calls[:8] == one_batch and calls[8:] == [(name, 1) for name, _ in one_batch]
     with pytest.raises(ValueError, match="`repeats` must be positive"):
         paired_seconds({"full": timed("full")}, 1, 0, torch.device("cpu"))
+
+
+def test_checked_device_refuses_a_malformed_or_absent_device():
+    assert checked_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="must name a torch device .* got 'gpu0'"):
+        checked_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="this machine has no CUDA device"):
+            checked_device("cuda")
+
+
+def test_model_benchmark_needs_an_exit_setting():
+    with pytest.raises(ValueError, match="No exit setting"):
+        model_benchmark(tiny_model(), None, "vqa", {"kv_strategy": "copy"})

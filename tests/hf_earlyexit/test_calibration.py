@@ -1,5 +1,6 @@
 """Calibration on synthetic score tables: the frontier, the tolerance rule, Learn then Test, saved defaults."""
 
+import json
 import random
 
 import pytest
@@ -7,16 +8,19 @@ import torch
 
 from hf_earlyexit.calibration import (
     OperatingPoint,
+    calibrate,
     calibration_grid,
     fastest_for_every_task,
     fastest_within_tolerance,
     hoeffding_p_value,
     learn_then_test,
     pareto_frontier,
+    save_calibration,
     with_encoder_min_exit_layer,
     write_generation_defaults,
 )
 from tests.helpers import tiny_inputs, tiny_model
+from tests.hf_earlyexit.test_evaluation import task_setup
 
 # threshold -> (quality, expected time reduction): lower thresholds exit earlier, lose quality
 TABLE = {1.0: (0.800, 0.00), 0.95: (0.800, 0.20), 0.9: (0.796, 0.35), 0.85: (0.790, 0.45), 0.8: (0.700, 0.60),
@@ -105,3 +109,34 @@ def test_grid_covers_each_decoder_policy_and_encoder_stream():
     assert {"exit_policy": "confidence", "exit_threshold": 0.8, "encoder_text_exit_threshold": 0.95} in grid
     joint = calibration_grid(tiny_model().config, {"similarity": (0.9,)}, (0.95,))
     assert {"encoder_exit_threshold": 0.95} in joint and len(joint) == 2 * 2 - 1
+
+
+def test_calibrate_returns_the_report_and_writes_the_choice(tmp_path):
+    model, processor, _ = task_setup("vqa", samples=4)
+    drawn = []
+
+    def plot(sweeps, chosen):
+        drawn.append((set(sweeps), chosen))
+        return tmp_path / "tradeoff.png"
+
+    report = calibrate(
+        model, processor, ["vqa"], samples=4, batch_size=4, tolerance=0.99, decoder_thresholds={"confidence": (0.0,)},
+        encoder_thresholds=(-1.0,), plot=plot, write_to=tmp_path, progress=False,
+    )  # fmt: skip
+    assert report["split"] == "validation" and report["points"] == 2 * 2 * 2 - 1 and list(report["tasks"]) == ["vqa"]
+    task = report["tasks"]["vqa"]
+    assert task["pareto_frontier"] and task["chosen"]["expected_time_reduction"] > 0
+    assert drawn == [
+        ({"vqa"}, {key: value for key, value in report["chosen"].items() if key != "encoder_min_exit_layer"})
+    ]
+    assert report["plot"] == str(tmp_path / "tradeoff.png")
+    assert report["written_to"] == str(tmp_path / "generation_config.json")
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert all(saved[name] == value for name, value in report["chosen"].items())
+    assert json.loads((tmp_path / "calibration.json").read_text())["chosen"] == report["chosen"]
+
+
+def test_nothing_is_written_when_nothing_was_chosen(tmp_path):
+    with pytest.raises(ValueError, match="within 1.0% of the full model: nothing written"):
+        save_calibration(tiny_model(), {"chosen": None, "tolerance": 0.01}, tmp_path)
+    assert list(tmp_path.iterdir()) == []

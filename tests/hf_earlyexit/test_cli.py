@@ -160,7 +160,7 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     argv = ["bench", str(task_model_dir), "--task", "vqa", "--samples", "4", "--batch-size", "2", "--repeats", "1"]
     assert main([*argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    from hf_earlyexit.modeling.generation_early_exit import EXIT_KNOBS
+    from hf_earlyexit.modeling.exit_knobs import EXIT_KNOBS
 
     saved = {name: value for name, value in chosen.items() if value != EXIT_KNOBS[name]}  # defaults are implied
     assert report["task"] == "vqa" and report["metric"] == "accuracy" and report["early_exit"]["settings"] == saved

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModel, AutoProcessor
 
-from hf_earlyexit.cli import EMBEDDED_MODEL_DIR
+from hf_earlyexit.loading import EMBEDDED_MODEL_DIR
 from hf_earlyexit.tasks import get_task
 
 MODELING = Path(__file__).resolve().parents[2] / "modeling"

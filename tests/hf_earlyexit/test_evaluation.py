@@ -1,10 +1,21 @@
 """Running a task through generate: predictions, exit layers (none past a sample's end), the full model despite
 saved defaults, and the metric."""
 
+import pytest
 import torch
+from PIL import Image
 
 from hf_earlyexit.data import train_tokenizer
-from hf_earlyexit.evaluation import TaskInputs, disagreement, run_task, score
+from hf_earlyexit.evaluation import (
+    TaskInputs,
+    caption_images,
+    disagreement,
+    evaluate_task,
+    run_knobs,
+    run_task,
+    score,
+    task_inputs,
+)
 from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from hf_earlyexit.tasks import get_task
 from tests.helpers import tiny_model
@@ -47,3 +58,43 @@ def test_score_uses_the_tasks_metric_and_disagreement_compares_answers():
     captions = score(get_task("caption"), ["a red circle"], ["a red circle"])
     assert captions["CIDEr"] >= 0 and captions["METEOR"] is None and captions["SPICE"] is None
     assert disagreement(["Yes", "no"], ["yes", "yes"]) == [0.0, 1.0]
+
+
+def test_task_inputs_refuses_an_empty_split_and_an_unknown_task():
+    _, processor, _ = task_setup("vqa", samples=2)
+    assert task_inputs("vqa", processor, "validation", 3, 2).samples == 3
+    with pytest.raises(ValueError, match="`samples` must be positive, got 0"):
+        task_inputs("vqa", processor, "validation", 0, 2)
+    with pytest.raises(ValueError, match="Unknown task 'ocr'"):
+        task_inputs("ocr", processor, "validation", 2, 2)
+
+
+def test_run_knobs_keep_the_saved_defaults_under_given_knobs_and_full_means_none():
+    model = tiny_model(decoder_layers=4)
+    assert run_knobs(model) == {}
+    model.generation_config.exit_threshold, model.generation_config.exit_policy = 0.5, "confidence"
+    saved = {"exit_threshold": 0.5, "exit_policy": "confidence"}
+    assert run_knobs(model) == saved
+    assert run_knobs(model, kv_strategy="copy") == {**saved, "kv_strategy": "copy"}
+    assert run_knobs(model, exit_policy="similarity") == {"exit_threshold": 0.5, "exit_policy": "similarity"}
+    assert run_knobs(model, full=True, kv_strategy="copy") == {}
+    with pytest.raises(ValueError, match="Unknown early-exit knob"):
+        run_knobs(model, exit_treshold=0.5)
+
+
+def test_evaluate_task_reports_scores_and_the_flops_time_reduction():
+    model, processor, _ = task_setup("vqa", samples=4)
+    knobs = {"exit_policy": "confidence", "exit_threshold": 0.0}
+    report = evaluate_task(model, processor, "vqa", split="validation", samples=4, batch_size=2, knobs=knobs)
+    assert report["task"] == "vqa" and report["split"] == "validation" and report["samples"] == 4
+    assert report["settings"] == knobs and 0 <= report["scores"]["accuracy"] <= 1
+    assert 0 < report["expected_time_reduction_flops"] < 1 and report["seconds"] > 0
+    full = evaluate_task(model, processor, "vqa", split="validation", samples=4, batch_size=2)
+    assert full["settings"] == {} and full["expected_time_reduction_flops"] == 0
+
+
+def test_caption_images_gives_one_caption_per_image():
+    model, processor, _ = task_setup("caption", samples=2)
+    images = [Image.new("RGB", (40, 30), colour) for colour in ((200, 20, 20), (20, 20, 200))]
+    captions, seconds = caption_images(model, processor, images, num_beams=2, max_new_tokens=3)
+    assert len(captions) == 2 and all(isinstance(caption, str) for caption in captions) and seconds > 0

@@ -1,0 +1,148 @@
+"""The demo behind `hf-earlyexit demo`: a calibrated model (by default the one that ships in the package) against
+the full model on each task's test split, a few answers and captions with the layer each token exited after, and
+those captions as a picture. `run_demo` yields what it has measured so far; `demo_lines` says it in words."""
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .benchmark import task_benchmark
+from .evaluation import run_knobs, task_inputs
+from .loading import EMBEDDED_MODEL_DIR, load_model_and_processor
+from .plots import exit_picture
+
+# Test rows per task for the full vs early-exit comparison, and examples per task shown token by token.
+DEMO_SAMPLES = {"vqa": 200, "entailment": 200, "caption": 100}
+DEMO_EXAMPLES = {"vqa": 3, "entailment": 2, "caption": 4}
+
+
+@dataclass
+class ExitExample:
+    """One prompt's output: each generated token with the decoder layer it exited after, and the encoder layers
+    its image and text streams ran."""
+
+    task: str
+    prompt: str
+    tokens: list[tuple[str, int]]
+    encoder_layers: tuple[int, int]
+
+
+@dataclass
+class DemoReport:
+    """What the demo measured. tasks: per task, `benchmark.task_benchmark`'s report (full vs `knobs`)."""
+
+    model_dir: Path
+    parameters: int
+    encoder_layers: int
+    decoder_layers: int
+    knobs: dict[str, Any]
+    threads: int
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    examples: list[ExitExample] = field(default_factory=list)
+    picture: Path | None = None  # None when no caption was decoded (or not yet)
+
+
+def run_demo(
+    model_dir: str | Path | None = None,
+    output_dir: str | Path = "out/demo",
+    batch_size: int = 1,
+    samples: dict[str, int] = DEMO_SAMPLES,
+    examples: dict[str, int] = DEMO_EXAMPLES,
+) -> Iterator[DemoReport]:
+    """Load the model in `model_dir` (default: the embedded one) with its calibrated exit defaults, benchmark them
+    against the full model on `samples` test rows per task, decode `examples` prompts per task token by token and
+    draw the captions' exit layers to `output_dir`/caption_exits.png.
+
+    Yields the report as it grows (loaded, then after each task, then with the examples and the picture), so that a
+    caller can show progress; the last one is complete. ValueError when the model has no calibrated exit defaults.
+    """
+    model_dir = Path(model_dir or EMBEDDED_MODEL_DIR)
+    model, processor = load_model_and_processor(model_dir)
+    knobs = run_knobs(model)
+    if not knobs:
+        raise ValueError(
+            f"{model_dir} has no calibrated exit defaults: run `hf-earlyexit calibrate {model_dir} --write`."
+        )
+    config = model.config
+    report = DemoReport(
+        model_dir, model.num_parameters(), config.encoder_layers, config.decoder_layers, knobs, torch.get_num_threads()
+    )
+    yield report
+    for name, count in samples.items():
+        inputs = task_inputs(name, processor, "test", count, batch_size)
+        report = replace(report, tasks={**report.tasks, name: task_benchmark(model, processor, inputs, knobs, 1)})
+        yield report
+    shown = [
+        example for name, count in examples.items() for example in exit_examples(model, processor, knobs, name, count)
+    ]
+    captions = [example.tokens for example in shown if example.task == "caption"]
+    picture = (
+        exit_picture(captions, config.decoder_layers, Path(output_dir) / "caption_exits.png") if captions else None
+    )
+    yield replace(report, examples=shown, picture=picture)
+
+
+@torch.no_grad()
+def exit_examples(model, processor, knobs: dict[str, Any], task: str, count: int) -> list[ExitExample]:
+    """The first `count` test prompts of `task`, greedy-decoded in one batch with `knobs`; special tokens left out."""
+    inputs = task_inputs(task, processor, "test", count, count)
+    batch = inputs.batches[0]
+    out = model.generate(
+        **batch, **knobs, max_new_tokens=inputs.task.max_new_tokens, do_sample=False, return_dict_in_generate=True
+    )
+    special = set(processor.tokenizer.all_special_ids)
+    prompts = processor.batch_decode(batch["input_ids"], skip_special_tokens=True)
+    examples = []
+    for row, prompt in enumerate(prompts):
+        generated = zip(out.sequences[row, 1:].tolist(), out.exit_layers[row].tolist(), strict=True)
+        tokens = [(processor.tokenizer.decode([token]).strip(), int(layer)) for token, layer in generated
+                  if token not in special]  # fmt: skip
+        image_layers, text_layers = out.encoder_exit_layers[row].tolist()
+        examples.append(ExitExample(task, prompt, tokens, (image_layers, text_layers)))
+    return examples
+
+
+def task_line(name: str, report: dict[str, Any], encoder_layers: int, decoder_layers: int) -> str:
+    """One task's full vs early-exit comparison on one line."""
+    full, early = report["full"], report["early_exit"]
+    layers = early["mean_layers"]
+    return (
+        f"  {name:<10} {report['metric']} {full['quality']:.3f} -> {early['quality']:.3f} "
+        f"({100 * report['quality_ratio']:.1f}% of full) | expected time reduction "
+        f"{100 * early['expected_time_reduction']:.0f}% | wall clock {full['seconds']:.2f} s -> "
+        f"{early['seconds']:.2f} s ({100 * report['wall_clock_time_reduction']:.0f}% less) | layers: image "
+        f"{layers['encoder_image']:.2f}, text {layers['encoder_text']:.2f}, decoder "
+        f"{layers['decoder_per_token']:.2f} per token (of {encoder_layers} / {decoder_layers})"
+    )
+
+
+def example_line(example: ExitExample) -> str:
+    """A prompt and its output, each token with its exit layer: `  [caption]prompt -> a(1) red(2) ...`."""
+    shown = " ".join(f"{token}({layer})" for token, layer in example.tokens)
+    image_layers, text_layers = example.encoder_layers
+    return (
+        f"  [{example.task}]{example.prompt.rstrip()} -> {shown}  "
+        f"(encoder layers: image {image_layers}, text {text_layers})"
+    )
+
+
+def demo_lines(report: DemoReport) -> list[str]:
+    """The demo's report in words, as `hf-earlyexit demo` prints it. A report that grows only adds lines at the
+    end, so a caller prints the new ones as `run_demo` yields."""
+    return [
+        f"Loaded {report.model_dir} with AutoModel/AutoProcessor (trust_remote_code=True): OFA-EE, "
+        f"{report.parameters / 1e6:.1f}M parameters, {report.encoder_layers} encoder layers (image and text "
+        f"streams), {report.decoder_layers} decoder layers; calibrated exit defaults {report.knobs}",
+        "Each task's test split through the full and the early-exit model, same inputs "
+        f"({report.threads} CPU threads):",
+        *(task_line(name, task, report.encoder_layers, report.decoder_layers) for name, task in report.tasks.items()),
+        *(["Examples (each token with the decoder layer it exited after):"] if report.examples else []),
+        *(example_line(example) for example in report.examples),
+        *([f"The captions' exit layers, as a picture: {report.picture}"] if report.picture else []),
+    ]
+
+
+__all__ = ["DEMO_EXAMPLES", "DEMO_SAMPLES", "DemoReport", "ExitExample", "demo_lines", "exit_examples", "run_demo"]

@@ -1,0 +1,50 @@
+"""Loading what the commands work on: images, a saved model with its processor, the processor of a converted
+checkpoint. Every user error is a ValueError that names the path or the mismatch."""
+
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
+from .publishing import check_model_dir
+
+# The small calibrated model that ships inside the package (what `hf-earlyexit demo` runs).
+EMBEDDED_MODEL_DIR = Path(__file__).parent / "embedded_model"
+
+
+def load_image(path: str | Path) -> Image.Image:
+    """The image at `path` as RGB; ValueError when it is absent or not an image."""
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except FileNotFoundError:
+        raise ValueError(f"No image at {path}.") from None
+    except (UnidentifiedImageError, OSError) as error:
+        raise ValueError(f"Cannot read {path} as an image ({error}).") from None
+
+
+def load_model_and_processor(model_dir: str | Path, **config_fields: Any) -> tuple[Any, Any]:
+    """A saved hf-earlyexit model (in eval mode) and its processor; `config_fields` override the config (e.g. to
+    add exit heads). ValueError when `model_dir` is not an hf-earlyexit model folder."""
+    from transformers import AutoModel, AutoProcessor
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # the weight-loading bar would break the CLI's one-line errors
+    path = Path(model_dir)
+    check_model_dir(path)
+    model = AutoModel.from_pretrained(path, trust_remote_code=True, **config_fields).eval()
+    processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
+    return model, processor
+
+
+def build_processor(tokenizer_dir: str | Path, image_size: int, vocab_size: int) -> OFAProcessor:
+    """The processor of a converted checkpoint: BART's tokenizer from `tokenizer_dir` with OFA's tokens, and square
+    `image_size` images. ValueError when the tokenizer does not fit a vocabulary of `vocab_size`."""
+    tokenizer = OFAProcessor.build_tokenizer(str(tokenizer_dir))
+    if len(tokenizer) != vocab_size:
+        raise ValueError(f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}.")
+    return OFAProcessor(OFAImageProcessor(size={"height": image_size, "width": image_size}), tokenizer)
+
+
+__all__ = ["EMBEDDED_MODEL_DIR", "build_processor", "load_image", "load_model_and_processor"]
