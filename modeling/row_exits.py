@@ -49,12 +49,18 @@ def computed(state: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
 
 
 class CompactPlan:
-    """Rows that stop leave the batch: every per-row tensor the loop carries is gathered to the running rows."""
+    """Rows that stop leave the batch: the deeper layers run on the running rows only, and every per-row tensor the
+    loop carries is gathered to them."""
 
     name = "compact"
 
-    def carry(self, keep: torch.Tensor, tensors: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
-        return tuple(select_rows(tensor, keep) for tensor in tensors)
+    def go_on(
+        self, exits: "RowExits", keep: torch.Tensor, carried: tuple[torch.Tensor | None, ...]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The rows where `keep` [rows] is True go on: `exits` runs them only; returns `carried` for them."""
+        exits.running = exits.running[keep]
+        exits.active = ActiveRows.of(exits.running)
+        return tuple(select_rows(tensor, keep) for tensor in carried)
 
 
 class RowExits:
@@ -96,10 +102,7 @@ class RowExits:
             return carried
         for name, state in states.items():
             self.keep_state(name, computed(state)[stop], self.running[stop])
-        keep = ~stop
-        self.running = self.running[keep]
-        self.active = ActiveRows.of(self.running)
-        return self.plan.carry(keep, carried)
+        return self.plan.go_on(self, ~stop, carried)
 
     def keep_state(self, name: str, state: torch.Tensor, rows: torch.Tensor) -> None:
         if name not in self._states and len(rows) == len(self.exit_layers):  # the whole batch at once: no copy
