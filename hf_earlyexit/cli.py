@@ -86,21 +86,13 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     decoder_thresholds = {policy: parse_floats(text) for policy, text in (("similarity", args.similarity_thresholds),
                           ("confidence", args.confidence_thresholds)) if text}  # fmt: skip
     model, processor = load_model_and_processor(args.model_dir)
+    sweep = (args.tasks.split(","), args.split, args.samples, args.batch_size, args.tolerance, args.delta)
     report = calibrate(
-        model,
-        processor,
-        args.tasks.split(","),
-        split=args.split,
-        samples=args.samples,
-        batch_size=args.batch_size,
-        tolerance=args.tolerance,
-        delta=args.delta,
-        decoder_thresholds=decoder_thresholds,
-        encoder_thresholds=encoder_thresholds,
+        model, processor, *sweep, decoder_thresholds, encoder_thresholds,
         plot=(lambda sweeps, chosen: tradeoff_plot(sweeps, args.plot, chosen)) if args.plot else None,
         write_to=args.model_dir if args.write else None,
         progress=not args.quiet,
-    )
+    )  # fmt: skip
     print_report(report, args.json)
 
 
@@ -122,18 +114,8 @@ def bench_model(args: argparse.Namespace, device: "torch.device") -> dict[str, A
     check_samples(args)
     model, processor = load_model_and_processor(args.model_dir)
     knobs = run_knobs(model, args.full, **given_knobs(args))
-    return model_benchmark(
-        model,
-        processor,
-        args.task,
-        knobs,
-        samples=args.samples,
-        batch_size=args.batch_size,
-        repeats=args.repeats,
-        device=device,
-        dtype=args.dtype,
-        meteor=args.meteor,
-    )
+    run = dict(samples=args.samples, batch_size=args.batch_size, repeats=args.repeats, device=device, dtype=args.dtype)
+    return model_benchmark(model, processor, args.task, knobs, meteor=args.meteor, **run)
 
 
 def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> dict[str, Any]:

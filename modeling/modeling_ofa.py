@@ -735,12 +735,7 @@ class OFAEncoder(nn.Module):
         )
 
     def run_joint(
-        self,
-        sequence: "EncoderSequence",
-        layers: list[int],
-        exit_settings: EarlyExitSettings | None,
-        output_attentions: bool,
-        output_hidden_states: bool,
+        self, sequence: "EncoderSequence", layers: list[int], exit_settings: EarlyExitSettings | None, attentions: bool
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """OFA's encoder: image and text attend to each other. Returns what `run_layers` does, the layers per row
         for (image, text) [batch, 2]: both the joint encoder's, 0 for a missing modality."""
@@ -751,7 +746,7 @@ class OFAEncoder(nn.Module):
             sequence.text_buckets,
             sequence.image_buckets,
             layers,
-            output_attentions,
+            attentions,
             controller=getattr(exit_settings, "encoder", None),
             part="encoder",
             real_tokens=~sequence.padding,
@@ -761,15 +756,11 @@ class OFAEncoder(nn.Module):
         return final, states, attentions, exit_layers[:, None] * present
 
     def run_streams(
-        self,
-        sequence: "EncoderSequence",
-        layers: list[int],
-        exit_settings: EarlyExitSettings | None,
-        output_attentions: bool,
-        output_hidden_states: bool,
+        self, sequence: "EncoderSequence", layers: list[int], exit_settings: EarlyExitSettings | None, states: bool
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """MuE's decomposed encoder: each modality attends only to itself, through the same layers, and may stop on
-        its own; the streams meet in the decoder's cross-attention. Returns what `run_joint` does (no attentions)."""
+        its own; the streams meet in the decoder's cross-attention. Returns what `run_joint` does (no attentions;
+        each layer's states when `states`)."""
         n, padding = sequence.num_image, sequence.padding
         min_exit_layer = getattr(exit_settings, "encoder_min_exit_layer", 1)
         image_rel = sequence.image_buckets if self.config.decomposed_image_relative_bias else None
@@ -788,14 +779,11 @@ class OFAEncoder(nn.Module):
         ]  # fmt: skip
         ran = [stream for stream in streams if stream is not None]
         final = torch.cat([stream[0] for stream in ran], dim=1)
-        states = (
-            [torch.cat(per_layer, dim=1) for per_layer in zip(*(stream[1] for stream in ran), strict=True)]
-            if output_hidden_states
-            else []
-        )
+        per_layer = zip(*(stream[1] for stream in ran), strict=True)
+        layer_states = [torch.cat(layer, dim=1) for layer in per_layer] if states else []
         no_layers = torch.zeros(padding.shape[0], dtype=torch.long, device=padding.device)
         exit_layers = torch.stack([no_layers if stream is None else stream[3] for stream in streams], dim=1)
-        return final, states, [], exit_layers
+        return final, layer_states, [], exit_layers
 
     def forward(
         self,
@@ -820,10 +808,12 @@ class OFAEncoder(nn.Module):
         sequence = self.embed(input_ids, attention_mask, pixel_values)
         # One LayerDrop draw per forward, so both streams of a decomposed encoder skip the same layers.
         layers = layers_to_run(len(self.layers), self.config.encoder_layerdrop, self.training)
-        run = self.run_streams if decomposed else self.run_joint
-        final, states, attentions, exit_layers = run(
-            sequence, layers, exit_settings, output_attentions, output_hidden_states
-        )
+        if decomposed:
+            final, states, attentions, exit_layers = self.run_streams(
+                sequence, layers, exit_settings, output_hidden_states
+            )
+        else:
+            final, states, attentions, exit_layers = self.run_joint(sequence, layers, exit_settings, output_attentions)
         return OFAEncoderOutput(
             last_hidden_state=self.layer_norm(final),
             padding_mask=sequence.padding,

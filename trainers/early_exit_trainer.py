@@ -196,7 +196,9 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             case "layerwise":
                 return layerwise_loss(exits, head, final_logits, targets, weights, smoothing)
             case "deep_supervision":
-                return deep_supervision_loss(exits, head, final_logits, targets, weights, smoothing)
+                return deep_supervision_loss(
+                    layerwise_loss(exits, head, final_logits, targets, weights, smoothing), weights
+                )
             case "distill":
                 return distillation_loss(exits, head, final_logits, weights, args.distill_temperature)
         # "adversarial": the discriminators judge the exits' features.

@@ -79,17 +79,12 @@ def layerwise_loss(
 
 
 def deep_supervision_loss(
-    exit_features: dict[int, torch.Tensor],
-    head: Head,
-    final_logits: torch.Tensor,
-    targets: torch.Tensor,
-    weights: Sequence[float],
-    label_smoothing: float,
+    layerwise: tuple[torch.Tensor, Terms], weights: Sequence[float]
 ) -> tuple[torch.Tensor, Terms]:
     """DEED ("deep_supervision"): L = Σ_l w_l · CE(head(adapter_l(h_l)), y) / Σ_l w_l, l over the exits and the last
-    layer. The model applies its adaptation modules before handing out `exit_features`, so h_l here is adapter_l(h_l).
-    """
-    loss, terms = layerwise_loss(exit_features, head, final_logits, targets, weights, label_smoothing)
+    layer: `layerwise_loss`'s (loss, terms), averaged with the weights. The model applies its adaptation modules
+    before handing out the exit features, so h_l there is already adapter_l(h_l)."""
+    loss, terms = layerwise
     return loss / sum(weights), terms
 
 
