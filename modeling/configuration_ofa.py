@@ -164,6 +164,16 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         min_exit_layer: the first decoder layer (1-based) a token may exit after.
         encoder_min_exit_layer: the first encoder layer (1-based) the joint encoder or a stream may exit after; no
             exit test runs below it (calibration sets it to the shallowest exit it saw, so no test is wasted).
+        row_exit: what a row that is ready to stop does while other rows of its batch go on: "keep" (it stays in
+            the batch and runs the layers the batch runs anyway; its output still comes from its exit), "compact"
+            (it leaves the batch and the deeper layers run on the other rows only) or "auto" (compact only where the
+            layer costs measured on the device predict it saves time: the encoder and prefill, rarely a decoding
+            step, which reads every weight once whatever its rows).
+        exit_token_layer: where a decoder row that is ready before its batch stops takes its token from: "own" (its
+            exit layer, as at batch 1) or "batch" (the layer where the batch stops, deeper at no extra time: CALM's
+            rule; needs a plan that keeps rows).
+        batch_stop_fraction: the decoder's batch stops once at least this fraction of its rows is ready, the others
+            stopping with them (1.0: only when every row is ready; lower trades quality for time).
 
     Exit heads (trained modules that map a decoder layer's output to the input of the shared final LayerNorm and
     output projection; with neither field set, every layer uses the shared head directly, as MuE does):
@@ -175,8 +185,8 @@ class OFAEarlyExitConfig(PreTrainedConfig):
             layers.
     """
 
-    # Named choices (`resnet_type`, `exit_policy`, `exit_threshold_schedule`, `kv_strategy`) are typed `str` and checked
-    # in `__post_init__`: typed `Literal`, `@strict` would refuse a bad value with its own error instead of the
+    # Named choices (`resnet_type`, `exit_policy`, `kv_strategy`, `row_exit`, ...) are typed `str` and checked in
+    # `__post_init__`: typed `Literal`, `@strict` would refuse a bad value with its own error instead of the
     # ValueError naming the field that every bad input here gets. Their `Literal` types live in `exit_knobs`.
     model_type = "ofa_early_exit"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -231,6 +241,9 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     kv_strategy: str = "propagate"
     min_exit_layer: int = 1
     encoder_min_exit_layer: int = 1
+    row_exit: str = "auto"
+    exit_token_layer: str = "own"
+    batch_stop_fraction: float = 1.0
     exit_adapter_dim: int | None = None
     exit_transformer_layers: list[int] | None = None
 

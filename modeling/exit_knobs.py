@@ -14,11 +14,15 @@ ExitPolicy = Literal["similarity", "confidence", "patience"]
 ThresholdScheduleName = Literal["constant", "mue_decay", "mue_official", "calm_decay"]
 KVStrategy = Literal["propagate", "copy", "recompute"]
 ExitPart = Literal["decoder", "encoder", "encoder_image", "encoder_text"]
+RowExitPlan = Literal["auto", "keep", "compact"]
+ExitTokenLayer = Literal["own", "batch"]
 
 POLICY_NAMES: tuple[str, ...] = get_args(ExitPolicy)
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ThresholdScheduleName)
 KV_STRATEGIES: tuple[str, ...] = get_args(KVStrategy)
 EXIT_PARTS: tuple[str, ...] = get_args(ExitPart)
+ROW_EXIT_PLANS: tuple[str, ...] = get_args(RowExitPlan)
+EXIT_TOKEN_LAYERS: tuple[str, ...] = get_args(ExitTokenLayer)
 # Parts of the encoder a controller can be given for: the joint encoder, or each stream of a decomposed one.
 ENCODER_PARTS: tuple[str, ...] = EXIT_PARTS[1:]
 
@@ -34,6 +38,9 @@ EXIT_KNOBS: dict[str, Any] = {
     "kv_strategy": "propagate",
     "min_exit_layer": 1,
     "encoder_min_exit_layer": 1,
+    "row_exit": "auto",
+    "exit_token_layer": "own",
+    "batch_stop_fraction": 1.0,
 }
 # Every knob at its default, i.e. no part exits: passed on top of saved defaults, it asks for the full model.
 NO_EXIT: dict[str, Any] = dict(EXIT_KNOBS)
@@ -43,6 +50,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "exit_policy": POLICY_NAMES,
     "exit_threshold_schedule": SCHEDULE_NAMES,
     "kv_strategy": KV_STRATEGIES,
+    "row_exit": ROW_EXIT_PLANS,
+    "exit_token_layer": EXIT_TOKEN_LAYERS,
 }
 # Layer knobs: knob -> the config field that bounds it.
 LAYER_BOUNDS: dict[str, str] = {"min_exit_layer": "decoder_layers", "encoder_min_exit_layer": "encoder_layers"}
@@ -74,7 +83,20 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
             raise ValueError(f"`{name}` must be a number or None, got {threshold!r}.")
         if bounds is not None and not bounds[0] <= threshold <= bounds[1]:
             raise ValueError(f"`{name}` is a cosine similarity and must lie in {list(bounds)}, got {threshold}.")
+    check_batch_rules(values)
     check_encoder_parts({part for part in ENCODER_PARTS if values.get(f"{part}_exit_threshold") is not None}, config)
+
+
+def check_batch_rules(values: dict[str, Any]) -> None:
+    """The decoder's batch-level rules: a fraction in (0, 1], and tokens from the batch's layer only for kept rows."""
+    fraction = values.get("batch_stop_fraction", 1.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"`batch_stop_fraction` must be a number in (0, 1], got {fraction!r}.")
+    if values.get("exit_token_layer") == "batch" and values.get("row_exit") == "compact":
+        raise ValueError(
+            '`exit_token_layer="batch"` needs the rows that are ready to keep running to the layer where the batch '
+            'stops: use `row_exit="keep"` or "auto", not "compact".'
+        )
 
 
 def check_encoder_parts(parts: set[str], config: Any) -> None:
@@ -122,14 +144,19 @@ __all__ = [
     "ENCODER_PARTS",
     "EXIT_KNOBS",
     "EXIT_PARTS",
+    "EXIT_TOKEN_LAYERS",
+    "ExitTokenLayer",
     "ExitPart",
     "ExitPolicy",
     "KVStrategy",
     "KV_STRATEGIES",
     "NO_EXIT",
     "POLICY_NAMES",
+    "ROW_EXIT_PLANS",
+    "RowExitPlan",
     "SCHEDULE_NAMES",
     "ThresholdScheduleName",
+    "check_batch_rules",
     "check_encoder_parts",
     "check_knobs",
     "non_default_knobs",

@@ -8,6 +8,7 @@ during the call. The layers each part ran come back in the model's outputs (`exi
 `exit_layers` / `encoder_exit_layers` with `return_dict_in_generate=True`.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,14 +20,25 @@ from transformers.utils import ModelOutput
 
 from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitController, SimilarityExit, make_controller
-from .exit_knobs import ENCODER_PARTS, EXIT_KNOBS, EXIT_PARTS, KVStrategy, check_encoder_parts, resolve_knobs
+from .exit_knobs import (
+    ENCODER_PARTS,
+    EXIT_KNOBS,
+    EXIT_PARTS,
+    ExitTokenLayer,
+    KVStrategy,
+    RowExitPlan,
+    check_encoder_parts,
+    resolve_knobs,
+)
+from .row_exits import AutoPlan, CompactPlan, KeepPlan, LayerCosts, RowExits
 
 
 @dataclass
 class EarlyExitSettings:
     """The resolved exit plan of one call: a controller per part (None: that part runs in full), the KV strategy
-    for skipped decoder layers, the first decoder and encoder layers allowed to exit, and the decoding length the
-    threshold schedules decay over."""
+    for skipped decoder layers, the first decoder and encoder layers allowed to exit, the decoding length the
+    threshold schedules decay over, and what ready rows do at batch > 1 (`row_exit`, and the decoder's batch-level
+    rules `exit_token_layer` and `batch_stop_fraction`)."""
 
     decoder: ExitController | None = None
     encoder: ExitController | None = None
@@ -36,6 +48,9 @@ class EarlyExitSettings:
     min_exit_layer: int = 1
     encoder_min_exit_layer: int = 1
     max_steps: int = 1
+    row_exit: RowExitPlan = "auto"
+    exit_token_layer: ExitTokenLayer = "own"
+    batch_stop_fraction: float = 1.0
 
     @classmethod
     def from_knobs(
@@ -71,12 +86,34 @@ class EarlyExitSettings:
             min_exit_layer=value["min_exit_layer"],
             encoder_min_exit_layer=value["encoder_min_exit_layer"],
             max_steps=max_steps,
+            row_exit=value["row_exit"],
+            exit_token_layer=value["exit_token_layer"],
+            batch_stop_fraction=value["batch_stop_fraction"],
         )
 
     @property
     def exits(self) -> bool:
         """Whether any part has a controller, i.e. may exit early."""
         return any(getattr(self, part) is not None for part in EXIT_PARTS)
+
+    def row_exits(
+        self, part: str, batch_size: int, depth: int, device: torch.device, costs: Callable[[], LayerCosts]
+    ) -> RowExits:
+        """The row-exit mechanism of one layer loop of `part` under this plan. `costs()` measures (once per shape)
+        what `row_exit="auto"` decides with, asked only when a row is ready while others go on. The batch-level rules
+        are the decoder's."""
+        decoder = part == "decoder"
+        plan = self.row_exit
+        if plan == "auto" and (batch_size == 1 or (decoder and self.exit_token_layer == "batch")):
+            plan = "keep"  # one row: nothing to compact; the batch's layer: ready rows must run to it
+        return RowExits(
+            batch_size,
+            depth,
+            device,
+            plan=AutoPlan(costs) if plan == "auto" else KeepPlan() if plan == "keep" else CompactPlan(),
+            token_from_batch_layer=decoder and self.exit_token_layer == "batch",
+            stop_fraction=self.batch_stop_fraction if decoder else 1.0,
+        )
 
     def reset_controllers(self) -> None:
         """Controllers that keep state across layers (patience) forget earlier calls."""

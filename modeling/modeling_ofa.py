@@ -32,10 +32,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_ofa import PATCH_STEM, RESNET_LAYERS, OFAEarlyExitConfig
 from .early_exit_cache import EarlyExitCache
-from .exit_controllers import ExitController, ExitState, checked_decision
+from .exit_controllers import ExitState, checked_decision
 from .exit_knobs import ENCODER_PARTS, EXIT_KNOBS
 from .generation_early_exit import EarlyExitGenerationMixin, EarlyExitSettings, new_cache
-from .row_exits import ActiveRows, RowExits, select_rows
+from .row_exits import ActiveRows, LayerCosts, RowExits, select_rows
 
 # ---------------------------------------------------------------------------------------------------------------
 # Positions
@@ -587,6 +587,7 @@ class OFAEncoder(nn.Module):
             config, config.encoder_layers, heads
         )
         self.layer_norm = nn.LayerNorm(d_model)
+        self.measured_layer_costs: dict[tuple, LayerCosts] = {}  # (batch, length, dtype, device) -> costs
 
     def embed_image(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
         """[batch, 3, H, W] -> patch states [batch, N, d], LN'd positions [batch, N, d], grid (h, w)."""
@@ -642,6 +643,24 @@ class OFAEncoder(nn.Module):
             )
         return bias
 
+    def layer_costs(self, batch: int, length: int, dtype: torch.dtype) -> LayerCosts:
+        """A layer's seconds over rows of a [batch, length] sequence, for `row_exit="auto"`: measured on first use
+        per batch, length (rounded up to a multiple of 32), dtype and device, then kept."""
+        length, device = -(-length // 32) * 32, self.pos_ln.weight.device
+        key = (batch, length, dtype, device)
+        if key not in self.measured_layer_costs:
+            hidden = torch.randn(batch, length, self.config.d_model, device=device, dtype=dtype)
+            bias = hidden.new_zeros(batch, self.num_heads, length, length)
+            keep = torch.arange(batch, device=device) > 0
+            self.measured_layer_costs[key] = LayerCosts.measure(
+                batch,
+                lambda rows: functools.partial(self.layers[0], hidden[rows], bias[rows]),
+                lambda: (hidden[keep], bias[keep]),
+                device,
+                scattered=False,  # the encoder gathers its rows whatever their pattern
+            )
+        return self.measured_layer_costs[key]
+
     def run_layers(
         self,
         hidden_states: torch.Tensor,
@@ -651,19 +670,25 @@ class OFAEncoder(nn.Module):
         image_buckets: torch.Tensor | None,
         layers: list[int],
         output_attentions: bool,
-        controller: ExitController | None = None,
+        exit_settings: EarlyExitSettings | None = None,
         part: str = "encoder",
         real_tokens: torch.Tensor | None = None,
-        min_exit_layer: int = 1,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """The given layers over one sequence (joint, or one modality stream).
 
         Returns the output per row [batch, S, d], each layer's states and attentions (meaningful without exits),
-        and the layers each row ran [batch]. With a `controller`, a row that stops leaves the batch and the layers
-        after run on the remaining rows only, and it is first asked after layer `min_exit_layer`. `real_tokens`
-        [batch, S] (True = not padding) is what the controller compares.
+        and the layers each row's output comes from [batch]. With a controller for `part` in `exit_settings`, a row
+        that stops keeps its output, and the plan (`row_exit`) either keeps it in the batch or takes it out of the
+        layers after; the controller is first asked after layer `encoder_min_exit_layer`. `real_tokens` [batch, S]
+        (True = not padding) is what the controller compares.
         """
-        exits = RowExits(hidden_states.shape[0], len(layers), hidden_states.device)
+        controller = getattr(exit_settings, part, None)
+        batch, device = hidden_states.shape[0], hidden_states.device
+        exits = RowExits(batch, len(layers), device)
+        if controller is not None:
+            costs = functools.partial(self.layer_costs, batch, hidden_states.shape[1], hidden_states.dtype)
+            exits = exit_settings.row_exits(part, batch, len(layers), device, costs)
+        min_exit_layer = getattr(exit_settings, "encoder_min_exit_layer", 1)
         states, attentions = [hidden_states], []
         for count, idx in enumerate(layers, start=1):
             previous = hidden_states
@@ -686,7 +711,7 @@ class OFAEncoder(nn.Module):
             stop = checked_decision(controller(state), state, controller)
             carried = (hidden_states, absolute, text_buckets, real_tokens)
             hidden_states, absolute, text_buckets, real_tokens = exits.stop(
-                count, stop, {"output": hidden_states}, carried
+                count, stop, {"output": hidden_states}, {}, carried
             )
             if exits.finished:
                 break
@@ -747,10 +772,9 @@ class OFAEncoder(nn.Module):
             sequence.image_buckets,
             layers,
             attentions,
-            controller=getattr(exit_settings, "encoder", None),
+            exit_settings,
             part="encoder",
             real_tokens=~sequence.padding,
-            min_exit_layer=getattr(exit_settings, "encoder_min_exit_layer", 1),
         )
         present = torch.tensor([bool(sequence.num_image), bool(sequence.text_length)], device=exit_layers.device)
         return final, states, attentions, exit_layers[:, None] * present
@@ -762,19 +786,16 @@ class OFAEncoder(nn.Module):
         its own; the streams meet in the decoder's cross-attention. Returns what `run_joint` does (no attentions;
         each layer's states when `states`)."""
         n, padding = sequence.num_image, sequence.padding
-        min_exit_layer = getattr(exit_settings, "encoder_min_exit_layer", 1)
         image_rel = sequence.image_buckets if self.config.decomposed_image_relative_bias else None
         streams = [
             self.run_layers(
                 sequence.hidden_states[:, :n], sequence.absolute[:, :, :n, :n], n, None, image_rel, layers, False,
-                controller=getattr(exit_settings, "encoder_image", None), part="encoder_image",
-                min_exit_layer=min_exit_layer,
+                exit_settings, part="encoder_image",
             ) if n else None,
             self.run_layers(
                 sequence.hidden_states[:, n:], sequence.absolute[:, :, n:, n:], 0, sequence.text_buckets, None, layers,
-                False, controller=getattr(exit_settings, "encoder_text", None), part="encoder_text",
+                False, exit_settings, part="encoder_text",
                 real_tokens=~padding[:, n:] if bool(padding.any()) else None,  # None: no pad to leave out
-                min_exit_layer=min_exit_layer,
             ) if sequence.text_length else None,
         ]  # fmt: skip
         ran = [stream for stream in streams if stream is not None]
@@ -909,6 +930,7 @@ class OFADecoder(nn.Module):
         self.output_projection = nn.Linear(d_model, config.vocab_size, bias=False)
         # Tables derived from the weights for decoding without grad: name -> (the weights' versions, table).
         self._weight_tables: dict[str, tuple[tuple[tuple[int, int], ...], Any]] = {}
+        self.measured_layer_costs: dict[tuple, LayerCosts] = {}  # (batch, query, source, dtype, device) -> costs
         # Exit heads: modules between a layer's output and the shared final LayerNorm + output projection.
         self.exit_points = {layer: i for i, layer in enumerate(config.exit_points)}  # 1-based layer -> index
         self.exit_adapters = self.exit_transformer_layers = None
@@ -1029,6 +1051,33 @@ class OFADecoder(nn.Module):
     def layer_self_bias(self, layer_idx: int, self_absolute: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
         """A layer's self-attention bias: the masked absolute bias plus its relative bias, [R or 1, heads, Q, T]."""
         return self_absolute + self.token_rel_pos_table_list[layer_idx](buckets).permute(0, 3, 1, 2)
+
+    def layer_costs(self, batch: int, query: int, source: int, dtype: torch.dtype) -> LayerCosts:
+        """A layer's seconds over rows of a step of `query` tokens per row attending to `source` encoder states, with
+        the cache, for `row_exit="auto"`: measured on first use per batch, query length, source length (rounded up
+        to a multiple of 32), dtype and device, then kept."""
+        source, device = -(-source // 32) * 32, self.pos_ln.weight.device
+        key = (batch, query, source, dtype, device)
+        if key not in self.measured_layer_costs:
+            hidden = torch.randn(batch, query, self.config.d_model, device=device, dtype=dtype)
+            encoder_hidden_states = torch.randn(batch, source, self.config.d_model, device=device, dtype=dtype)
+            cache = new_cache(self.config, None)
+            slots = cache.self_attention_cache.open_slots(hidden, self.num_heads)
+            self_bias = hidden.new_zeros(1, self.num_heads, query, query)
+            cross_bias = hidden.new_zeros(1, self.num_heads, query, source)
+            keep = torch.arange(batch, device=device) > 0
+            crossing = hidden.new_zeros(batch, self.num_heads, query, source)  # a per-row bias the loop carries
+
+            def layer_on(rows: torch.Tensor) -> Callable[[], object]:
+                active = None if len(rows) == batch else ActiveRows.of(rows)
+                layer = self.layers[0]
+                return functools.partial(layer, hidden[rows], self_bias, encoder_hidden_states, cross_bias, cache,
+                                         active, slots)  # fmt: skip
+
+            self.measured_layer_costs[key] = LayerCosts.measure(
+                batch, layer_on, lambda: (hidden[keep], crossing[keep]), device
+            )
+        return self.measured_layer_costs[key]
 
     def exit_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits of exit-head inputs [..., d]: the shared final LayerNorm and output projection."""
@@ -1273,7 +1322,7 @@ class OFADecoder(nn.Module):
         if self_cache.kv_strategy == "propagate" and not torch.is_grad_enabled():
             folded = self_cache.derived("folded_key_value_projections", self.folded_key_value_projections)
             project = functools.partial(project, folded=folded)
-        self_cache.record_skipped(exits.exit_layers, slots, exit_outputs, project)
+        self_cache.record_skipped(exits.layers_run, slots, exit_outputs, project)
 
     def forward(
         self,
@@ -1310,7 +1359,12 @@ class OFADecoder(nn.Module):
             self.cache_cross_key_values(encoder_outputs.last_hidden_state, past_key_values)
 
         layers = layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training)
-        exits = RowExits(input_ids.shape[0], len(layers), input_ids.device)
+        batch, device = input_ids.shape[0], input_ids.device
+        exits = RowExits(batch, len(layers), device)
+        if controller is not None:
+            source = encoder_outputs.last_hidden_state.shape[1]
+            costs = functools.partial(self.layer_costs, batch, input_ids.shape[1], source, hidden_states.dtype)
+            exits = exit_settings.row_exits("decoder", batch, len(layers), device, costs)
         self_absolute, buckets, cross_bias, query_mask = (
             step.self_absolute,
             step.buckets,
@@ -1342,18 +1396,19 @@ class OFADecoder(nn.Module):
                 exit_settings, count, len(layers), past, hidden_states, previous, exits, query_mask, exit_state
             )
             hidden_states, self_absolute, buckets, cross_bias, query_mask = exits.stop(
-                count, stop, {"output": hidden_states, "exit_state": exit_state},
+                count, stop, {"exit_state": exit_state}, {"output": hidden_states},
                 (hidden_states, self_absolute, buckets, cross_bias, query_mask),
             )  # fmt: skip
             if exits.finished:
                 break
-        exit_outputs = exits.stopped_state("output")  # each stopped row's last layer output
+        exit_outputs = exits.stopped_state("output")  # the last layer output of each row that left early
         if self_cache is not None and exit_outputs is not None:
             self.fill_skipped_layers_later(self_cache, exits, slots, exit_outputs)
-        # A step whose rows all stopped at one exit returns the exit head's logits, if a controller computed them.
+        # A step whose rows all take their tokens from one exit returns its head's logits, if a controller computed
+        # them.
         step_logits = state.computed_logits if exits.stopped_together and input_ids.shape[1] == 1 else None
-
-        last_hidden_state = self.layer_norm(exits.gather("exit_state", hidden_states))
+        final = exit_state() if exits.finished else hidden_states  # the last layer run, as an exit head's input
+        last_hidden_state = self.layer_norm(exits.gather("exit_state", final))
         states, self_attentions, cross_attentions = zip(*layer_outputs, strict=True)
         return OFADecoderOutput(
             last_hidden_state=last_hidden_state,

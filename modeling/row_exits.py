@@ -1,20 +1,35 @@
 """The one row-exit mechanism of every layer loop (joint encoder, each encoder stream, decoder step).
 
-A layer loop asks its controller after a layer "which running rows stop here?" and hands the answer to `RowExits`,
-which records each stopping row's exit layer and the states it leaves with (its exit state), and gives the loop what
-goes on. What happens to the rows that stop is the execution plan:
+A layer loop asks its controller after a layer "which running rows are ready to stop here?" and hands the answer to
+`RowExits`, which records each ready row's exit layer and the state its output comes from, and gives the loop what
+goes on. What happens to a ready row is the execution plan:
 
-- `CompactPlan` (today's only plan): they leave the batch, and the deeper layers run on the running rows only,
-  gathered. Attention then reads each contiguous run of the batch's cached K/V as a view (`ActiveRows`).
+- `KeepPlan`: it stays in the batch and keeps flowing through the layers the batch still runs for its other rows; its
+  output still comes from its exit state. A step costs what its deepest row costs, and a decoding step at batch <= 16
+  reads every weight once whatever the number of rows, so this is what the hardware gives. The kept rows get the real
+  K/V of every layer the batch ran, so the KV strategy fills only the layers nobody ran.
+- `CompactPlan`: ready rows leave the batch and the deeper layers run on the running rows only, gathered; attention
+  then reads each contiguous run of the batch's cached K/V as a view (`ActiveRows`). It pays when a layer's cost grows
+  with its rows (many tokens per row: the encoder, prefill) and not otherwise (the gathers and per-run attention cost
+  5-17% of a decoding step on a CPU).
+- `AutoPlan`: at each stop, compacts only when the measured `LayerCosts` predict that the layers left cost less on the
+  rows that go on, gathers included, than on the rows running now.
 
-A plan is an object, so a second one (rows kept in the batch, when a layer costs the same for any number of rows)
-plugs in without touching the loops. Nothing here imports the model.
+The loop ends when the last row is ready. Two batch-level rules change what "ready" gives: the token of a row ready
+before the batch stops may come from the layer where the batch stops (`token_from_batch_layer`, CALM's rule: deeper,
+at no extra cost under `KeepPlan`), and the batch may stop once a fraction of its rows is ready (`stop_fraction`, the
+others stopping with them). Nothing here imports the model.
 """
 
+import bisect
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+States = dict[str, torch.Tensor | Callable[[], torch.Tensor]]
 
 
 @dataclass
@@ -48,61 +63,189 @@ def computed(state: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
     return state() if callable(state) else state
 
 
+def median_seconds(call: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """Median wall-clock seconds of `call()` over `repeats` runs after a warm-up, synchronised on a GPU."""
+    seconds = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Measured seconds of one layer of a part, for one batch size and sequence shape, on one device and dtype.
+
+    rows: the row counts measured, ascending (1, half the batch, the batch).
+    kept: seconds of the layer over `rows[i]` rows of the batch forming one contiguous run (what `KeepPlan` runs).
+    compacted: seconds over `rows[i]` scattered rows (every other row, the most runs: what `CompactPlan` may run).
+    gather: seconds to gather the per-row tensors the loop carries, once per compaction.
+    """
+
+    rows: tuple[int, ...]
+    kept: tuple[float, ...]
+    compacted: tuple[float, ...]
+    gather: float
+
+    # Compaction must save at least this fraction to be chosen: a timing's noise must not flip the plan.
+    margin = 0.05
+
+    @staticmethod
+    def interpolate(rows: tuple[int, ...], seconds: tuple[float, ...], count: int) -> float:
+        """Seconds at `count` rows, linear between the measured row counts (clamped at the ends)."""
+        right = min(max(bisect.bisect_left(rows, count), 1), len(rows) - 1)
+        left = right - 1
+        if len(rows) == 1:
+            return seconds[0]
+        share = (count - rows[left]) / (rows[right] - rows[left])
+        return seconds[left] + min(max(share, 0.0), 1.0) * (seconds[right] - seconds[left])
+
+    @classmethod
+    @torch.no_grad()
+    def measure(
+        cls,
+        batch_size: int,
+        layer_on: Callable[[torch.Tensor], Callable[[], object]],
+        gather: Callable[[], object],
+        device: torch.device,
+        scattered: bool = True,
+    ) -> "LayerCosts":
+        """Time `layer_on(rows)()` (one layer over the batch indices `rows`) at 1, half and all the rows, as one run
+        and (`scattered`) spread over the batch, and `gather()`: median of 3 after a warm-up, synchronised."""
+        rows = tuple(sorted({1, (batch_size + 1) // 2, batch_size}))
+        kept = tuple(median_seconds(layer_on(torch.arange(count, device=device)), device) for count in rows)
+        compacted = kept
+        if scattered:
+            spread = [torch.linspace(0, batch_size - 1, count, device=device).round().long() for count in rows]
+            compacted = tuple(median_seconds(layer_on(index), device) for index in spread)
+        return cls(rows, kept, compacted, median_seconds(gather, device))
+
+    def compact_pays(self, running: int, going_on: int, layers_left: int) -> bool:
+        """Whether `layers_left` layers on the `going_on` rows, gathered, cost less than on the `running` rows."""
+        keep = layers_left * self.interpolate(self.rows, self.kept, running)
+        compact = self.gather + layers_left * self.interpolate(self.rows, self.compacted, going_on)
+        return compact < (1 - self.margin) * keep
+
+
+class KeepPlan:
+    """Ready rows stay in the batch and keep running: nothing to do at a stop."""
+
+    name = "keep"
+
+    def go_on(self, exits: "RowExits", layer: int, leaving: States, carried: tuple) -> tuple:
+        return carried
+
+
 class CompactPlan:
-    """Rows that stop leave the batch: the deeper layers run on the running rows only, and every per-row tensor the
-    loop carries is gathered to them."""
+    """Ready rows leave the batch: the deeper layers run on the running rows only, and every per-row tensor the loop
+    carries is gathered to them."""
 
     name = "compact"
 
-    def go_on(
-        self, exits: "RowExits", keep: torch.Tensor, carried: tuple[torch.Tensor | None, ...]
-    ) -> tuple[torch.Tensor | None, ...]:
-        """The rows where `keep` [rows] is True go on: `exits` runs them only; returns `carried` for them."""
-        exits.running = exits.running[keep]
-        exits.active = ActiveRows.of(exits.running)
-        return tuple(select_rows(tensor, keep) for tensor in carried)
+    def go_on(self, exits: "RowExits", layer: int, leaving: States, carried: tuple) -> tuple:
+        return exits.compact(layer, leaving, carried)
+
+
+class AutoPlan:
+    """Compact at a stop only when the layer costs predict it saves time over the layers left; keep otherwise.
+    `costs()` (measured once per device, dtype and shape by the model) is asked at the first stop only."""
+
+    name = "auto"
+
+    def __init__(self, costs: Callable[[], LayerCosts]):
+        self.costs = costs
+
+    def go_on(self, exits: "RowExits", layer: int, leaving: States, carried: tuple) -> tuple:
+        if self.costs().compact_pays(len(exits.running), exits.waiting_count, exits.depth - layer):
+            return exits.compact(layer, leaving, carried)
+        return carried
+
+
+Plan = KeepPlan | CompactPlan | AutoPlan
 
 
 class RowExits:
-    """Which rows of one layer loop still run, each row's exit layer, and the states each stopped row left with.
+    """Which rows of one layer loop still run, which of them are ready, each row's exit layer, and the states each
+    ready or departed row left with.
 
-    exit_layers [batch]: the layers each row ran (the loop's depth for rows that never stopped).
-    running [rows]: the batch indices of the rows still running, ascending.
-    active: the same as `ActiveRows` for attention over the whole batch's cache; None while every row runs.
+    exit_layers [batch]: the layer each row's output comes from (the loop's depth for rows never ready).
+    layers_run [batch]: the layers each row ran (deeper than its exit layer when its plan kept it running).
+    running [rows]: the batch indices of the rows the layers run on, ascending.
+    waiting [rows]: which running rows are not ready yet.
+    active: `running` as `ActiveRows` for attention over the whole batch's cache; None while every row runs.
     """
 
-    def __init__(self, batch_size: int, depth: int, device: torch.device, plan: CompactPlan | None = None):
+    def __init__(
+        self,
+        batch_size: int,
+        depth: int,
+        device: torch.device,
+        plan: Plan | None = None,
+        token_from_batch_layer: bool = False,
+        stop_fraction: float = 1.0,
+    ):
+        self.depth = depth
         self.exit_layers = torch.full((batch_size,), depth, dtype=torch.long, device=device)
+        self.layers_run = self.exit_layers.clone()
         self.running = torch.arange(batch_size, device=device)
+        self.waiting = torch.ones(batch_size, dtype=torch.bool, device=device)
+        self.waiting_count = batch_size
         self.active: ActiveRows | None = None
         self.plan = plan or CompactPlan()
-        self.finished = False  # every row has stopped
-        self.stopped_together = False  # ... and all of them after the same layer
-        self._states: dict[str, torch.Tensor] = {}  # name -> [batch, ...], filled at the rows that stopped
+        self.token_from_batch_layer = token_from_batch_layer
+        self.stop_fraction = stop_fraction
+        self.finished = False  # every row is ready
+        self.stopped_together = False  # ... every row's output comes from the same layer, the last one run
+        self._earlier_stops = False
+        self._states: dict[str, torch.Tensor] = {}  # name -> [batch, ...], filled at the rows that kept one
 
-    def stop(
-        self,
-        layer: int,
-        stop: torch.Tensor,
-        states: dict[str, torch.Tensor | Callable[[], torch.Tensor]],
-        carried: tuple[torch.Tensor | None, ...],
-    ) -> tuple[torch.Tensor | None, ...]:
-        """The running rows where `stop` [rows] is True leave after `layer` (1-based), with `states` (name -> this
-        layer's [rows, ...] states, e.g. its output; a callable is computed only if a row stops). Returns the per-row
-        tensors in `carried` for the rows that go on (unchanged when none stops); sets `finished` when none goes on."""
+    def stop(self, layer: int, stop: torch.Tensor, ready: States, leaving: States, carried: tuple) -> tuple:
+        """The waiting rows where `stop` [running rows] is True are ready after `layer` (1-based): they keep their
+        `ready` states (name -> this layer's [running rows, ...] states, e.g. the exit head's input; a callable is
+        computed only if a row stops), and their `leaving` states (e.g. the layer's output) when they leave the
+        layers. Returns the per-row tensors in `carried` for the rows that run on; sets `finished` when none waits."""
+        if self.waiting_count < len(self.running):
+            stop = stop & self.waiting
         stopping = sum(stop.tolist())  # one host read, cheaper than a sum op on a few rows
         if stopping == 0:
             return carried
+        batch = len(self.exit_layers)
+        if stopping < self.waiting_count and batch - self.waiting_count + stopping >= self.stop_fraction * batch:
+            stop, stopping = self.waiting, self.waiting_count  # enough rows are ready: the batch stops
         self.exit_layers[self.running[stop]] = layer
-        if stopping == len(self.running):
+        self.waiting_count -= stopping
+        together = stopping == len(self.running)
+        for name, state in ready.items():
+            self.keep_state(name, computed(state) if together else computed(state)[stop], self.running[stop])
+        if self.waiting_count == 0:
             self.finished = True
-            self.stopped_together = not self._states
-            for name, state in states.items():
+            self.stopped_together = len(self.running) == batch and (
+                self.token_from_batch_layer or not self._earlier_stops
+            )
+            self.layers_run[self.running] = layer
+            for name, state in leaving.items():
                 self.keep_state(name, computed(state), self.running)
             return carried
-        for name, state in states.items():
-            self.keep_state(name, computed(state)[stop], self.running[stop])
-        return self.plan.go_on(self, ~stop, carried)
+        self._earlier_stops = True
+        self.waiting = self.waiting & ~stop
+        return self.plan.go_on(self, layer, leaving, carried)
+
+    def compact(self, layer: int, leaving: States, carried: tuple) -> tuple:
+        """The ready rows leave the layers after `layer` with their `leaving` states; returns `carried` for the rest."""
+        keep = self.waiting
+        gone = self.running[~keep]
+        self.layers_run[gone] = layer
+        for name, state in leaving.items():
+            self.keep_state(name, computed(state)[~keep], gone)
+        self.running = self.running[keep]
+        self.waiting = keep[keep]
+        self.active = ActiveRows.of(self.running)
+        return tuple(select_rows(tensor, keep) for tensor in carried)
 
     def keep_state(self, name: str, state: torch.Tensor, rows: torch.Tensor) -> None:
         if name not in self._states and len(rows) == len(self.exit_layers):  # the whole batch at once: no copy
@@ -113,18 +256,34 @@ class RowExits:
         self._states[name][rows] = state
 
     def stopped_state(self, name: str) -> torch.Tensor | None:
-        """[batch, ...]: the `name` state of each row that stopped (other rows unset); None if no row stopped."""
+        """[batch, ...]: the `name` state of each row that kept one (other rows unset); None if no row did."""
         return self._states.get(name)
 
     def gather(self, name: str, running_state: torch.Tensor) -> torch.Tensor:
-        """Each row's final state [batch, ...]: the `name` state it stopped with, or `running_state` [running rows,
-        ...] for the rows that ran to the end."""
+        """Each row's final `name` state [batch, ...]: the one it kept, or `running_state` [running rows, ...] (the
+        state of the last layer run) for the rows still waiting, and for every running row when their output comes
+        from the layer where the batch stopped (whose `exit_layers` then become that layer)."""
         stopped = self._states.get(name)
+        if self.token_from_batch_layer:
+            self.exit_layers[self.running] = self.layers_run[self.running]
+            if stopped is None or len(self.running) == len(self.exit_layers):
+                return running_state
+            stopped[self.running] = running_state
+            return stopped
         if stopped is None:
             return running_state
-        if not self.finished:
-            stopped[self.running] = running_state
+        if self.waiting_count:
+            stopped[self.running[self.waiting]] = running_state[self.waiting]
         return stopped
 
 
-__all__ = ["ActiveRows", "CompactPlan", "RowExits", "select_rows"]
+__all__ = [
+    "ActiveRows",
+    "AutoPlan",
+    "CompactPlan",
+    "KeepPlan",
+    "LayerCosts",
+    "RowExits",
+    "median_seconds",
+    "select_rows",
+]

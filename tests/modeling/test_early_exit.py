@@ -7,6 +7,7 @@ from transformers import GenerationConfig
 from hf_earlyexit.modeling.early_exit_cache import KV_STRATEGIES, EarlyExitCache
 from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, ExitController, FixedLayerExit
 from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings
+from hf_earlyexit.modeling.row_exits import LayerCosts
 from tests.helpers import tiny_inputs, tiny_model
 
 DEPTH = 4  # decoder layers of the models here
@@ -167,7 +168,7 @@ def test_cropping_the_cache_forgets_the_skipped_slots_it_removes(model):
 
 
 def test_copy_fills_skipped_layers_with_the_exit_layers_keys_and_values(model):
-    settings = EarlyExitSettings(decoder=mixed_exits(), kv_strategy="copy")
+    settings = EarlyExitSettings(decoder=mixed_exits(), kv_strategy="copy", row_exit="compact")
     steps = []
     _, cache = decode_with_cache(model, batch_of(4), settings, exit_layers=steps)
     cache.self_attention_cache.fill_skipped()  # the last step's slots: no later token read them
@@ -181,10 +182,14 @@ def test_copy_fills_skipped_layers_with_the_exit_layers_keys_and_values(model):
                 assert torch.equal(layers[skipped].values[row, :, step], layers[exit_layer - 1].values[row, :, step])
 
 
-@pytest.mark.parametrize("strategy", KV_STRATEGIES)
-def test_a_batch_gives_the_tokens_and_exit_layers_of_its_rows_run_one_by_one(model, strategy):
+@pytest.mark.parametrize(
+    "strategy, row_exit", [*((strategy, "compact") for strategy in KV_STRATEGIES), ("recompute", "keep")]
+)
+def test_a_batch_gives_the_tokens_and_exit_layers_of_its_rows_run_one_by_one(model, strategy, row_exit):
+    """Compacted rows never see each other. Kept rows do run deeper than their exit, which changes their cache
+    (exact K/V where `propagate` / `copy` approximate), so `keep` matches batch 1 with `recompute` only."""
     inputs = batch_of(4)
-    batched = generate(model, inputs, "greedy", exit_controller=mixed_exits(), kv_strategy=strategy)
+    batched = generate(model, inputs, "greedy", exit_controller=mixed_exits(), kv_strategy=strategy, row_exit=row_exit)
     for row in range(4):
         real = inputs["attention_mask"][row].bool()
         single = {
@@ -199,7 +204,7 @@ def test_a_batch_gives_the_tokens_and_exit_layers_of_its_rows_run_one_by_one(mod
 
 
 @pytest.mark.parametrize("strategy", ["propagate", "copy"])
-def test_exit_layers_count_the_layer_calls_that_ran(model, strategy):
+def test_compacted_exit_layers_count_the_layer_calls_that_ran(model, strategy):
     calls: list[list[int]] = []
     hooks = [model.decoder.register_forward_pre_hook(lambda module, args: calls.append([]))]
     for layer in model.decoder.layers:
@@ -214,6 +219,7 @@ def test_exit_layers_count_the_layer_calls_that_ran(model, strategy):
             "greedy",
             exit_controller={"decoder": mixed_exits(), "encoder": FixedLayerExit(lambda s: s.rows % 3 + 1)},
             kv_strategy=strategy,
+            row_exit="compact",
         )
     finally:
         for hook in hooks:
@@ -237,7 +243,9 @@ def test_propagate_projects_once_per_step_whatever_the_rows(model):
 
     model.decoder.skipped_key_values = counting
     try:
-        out = generate(model, batch_of(4), "greedy", exit_controller=mixed_exits(), kv_strategy="propagate")
+        out = generate(
+            model, batch_of(4), "greedy", exit_controller=mixed_exits(), kv_strategy="propagate", row_exit="compact"
+        )
     finally:
         del model.decoder.skipped_key_values
     firsts = [min(step) for step in out.exit_layers.T.tolist()[:-1] if min(step) < DEPTH]
@@ -292,6 +300,133 @@ def test_propagate_folds_each_layers_layer_norm_into_its_projections(model):
     for (key, value), (expected_key, expected_value) in zip(folded, expected, strict=True):
         torch.testing.assert_close(key, expected_key, rtol=0, atol=1e-5)
         torch.testing.assert_close(value, expected_value, rtol=0, atol=1e-5)
+
+
+# --- what ready rows do at batch > 1: kept in the batch or compacted out, and the batch-level rules -------------------
+
+
+def layer_calls(model, run) -> tuple[object, list[list[int]], list[int]]:
+    """`run()`'s output, the rows of each decoder layer call per decoder forward, and of each encoder layer call."""
+    decoder_calls: list[list[int]] = []
+    encoder_calls: list[int] = []
+    hooks = [model.decoder.register_forward_pre_hook(lambda module, args: decoder_calls.append([]))]
+    for layer in model.decoder.layers:
+        hooks.append(layer.register_forward_pre_hook(lambda module, args: decoder_calls[-1].append(args[0].shape[0])))
+    for layer in model.encoder.layers:
+        hooks.append(layer.register_forward_pre_hook(lambda module, args: encoder_calls.append(args[0].shape[0])))
+    try:
+        return run(), decoder_calls, encoder_calls
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beam"])
+def test_keep_and_compact_give_the_same_tokens_with_exact_keys_and_values(model, mode):
+    """With `recompute` every K/V is exact either way, so where ready rows go changes nothing they output."""
+    inputs = batch_of(4)
+    outs = {
+        row_exit: generate(
+            model, inputs, mode, exit_controller=mixed_exits(), kv_strategy="recompute", row_exit=row_exit
+        )
+        for row_exit in ("keep", "compact")
+    }
+    assert torch.equal(outs["keep"].sequences, outs["compact"].sequences)
+    assert torch.equal(outs["keep"].exit_layers, outs["compact"].exit_layers)
+    for kept, compacted in zip(outs["keep"].scores, outs["compact"].scores, strict=True):
+        torch.testing.assert_close(kept, compacted, rtol=0, atol=1e-5)
+
+
+def test_kept_rows_run_as_deep_as_the_batch_and_compacted_rows_stop(model):
+    controllers = {"decoder": mixed_exits(), "encoder": FixedLayerExit(lambda s: s.rows % 3 + 1)}
+    for row_exit in ("keep", "compact"):
+        out, calls, encoder_calls = layer_calls(
+            model, lambda r=row_exit: generate(model, batch_of(4), "greedy", exit_controller=controllers, row_exit=r)
+        )
+        deepest = out.exit_layers.max(dim=0).values.tolist()
+        if row_exit == "keep":  # every layer call runs the whole batch, until the deepest row of the step
+            assert calls == [[4] * depth for depth in deepest]
+            assert encoder_calls == [4] * int(out.encoder_exit_layers[:, 0].max())
+        else:
+            assert [sum(step) for step in calls] == out.exit_layers.sum(dim=0).tolist()
+            assert sum(encoder_calls) == int(out.encoder_exit_layers[:, 0].sum())
+        assert out.encoder_exit_layers[:, 0].tolist() == [1, 2, 3, 1]  # each row's output is its own exit's
+
+
+def exits_once(row: int, step: int, layer: int) -> FixedLayerExit:
+    """Row `row` is ready after `layer` at decoding step `step`; every other row and step runs in full."""
+    return FixedLayerExit(lambda s: torch.where((s.rows == row) & (s.step == step), layer, DEPTH))
+
+
+@pytest.mark.parametrize("strategy", ["propagate", "copy"])
+def test_kept_rows_get_the_exact_keys_and_values_of_the_layers_the_batch_ran(model, strategy):
+    """Row 1 is ready after layer 1 at step 2 while the others run on: kept, it has in every layer the K/V of a
+    full-depth teacher-forced pass of its tokens; compacted, the layers it skipped hold the strategy's
+    approximation, and only there do the two differ (the later tokens attend to it, so they are compared on the
+    cache, not on the tokens)."""
+    inputs = batch_of(4)
+    caches = {}
+    for row_exit in ("keep", "compact"):
+        settings = EarlyExitSettings(decoder=exits_once(1, 2, 1), kv_strategy=strategy, row_exit=row_exit)
+        tokens, cache = decode_with_cache(model, inputs, settings, steps=5)
+        caches[row_exit] = cache.self_attention_cache
+        caches[row_exit].fill_skipped()
+        expected, _ = full_depth_cache(model, inputs, tokens)
+        for layer in range(DEPTH):
+            ours, theirs = caches[row_exit].layers[layer].keys, expected.layers[layer].keys
+            # propagate's first skipped layer is exact (its input is the exited state); copy's is not.
+            approximated = row_exit == "compact" and layer >= (2 if strategy == "propagate" else 1)
+            exact = torch.ones(ours.shape[0], ours.shape[2], dtype=torch.bool)
+            if row_exit == "compact":  # row 1's later tokens attend to the approximated slot
+                exact[1, 2:] = False
+            torch.testing.assert_close(ours.transpose(1, 2)[exact], theirs.transpose(1, 2)[exact], rtol=0, atol=1e-5)
+            assert approximated != torch.allclose(ours[1, :, 2], theirs[1, :, 2], atol=1e-3)
+
+
+def test_tokens_from_the_batch_layer_are_the_full_models_when_a_row_runs_in_full(model):
+    """Each step of `mixed_exits` has a row that runs all the layers, so every token taken from the layer where the
+    batch stops is the full model's."""
+    inputs = batch_of(4)
+    full = generate(model, inputs, "greedy")
+    batch_layer = generate(model, inputs, "greedy", exit_controller=mixed_exits(), exit_token_layer="batch")
+    own = generate(model, inputs, "greedy", exit_controller=mixed_exits())
+    assert torch.equal(batch_layer.sequences, full.sequences)
+    assert bool((batch_layer.exit_layers[batch_layer.exit_layers > 0] == DEPTH).all())
+    assert not torch.equal(own.exit_layers, batch_layer.exit_layers)
+
+
+def test_a_batch_stops_once_the_fraction_of_ready_rows_is_reached(model):
+    """`mixed_exits` readies one row in four after each layer: at half, every step stops after layer 2."""
+    inputs = batch_of(4)
+    out, calls, _ = layer_calls(
+        model,
+        lambda: generate(model, inputs, "greedy", exit_controller=mixed_exits(), batch_stop_fraction=0.5),
+    )
+    own = generate(model, inputs, "greedy", exit_controller=mixed_exits(), row_exit="keep").exit_layers
+    assert torch.equal(out.exit_layers[:, 0], own[:, 0].clamp(max=2))
+    assert all(len(step) == 2 for step in calls)
+
+
+def test_auto_follows_the_measured_layer_costs(model):
+    """`row_exit="auto"` compacts where the layer costs say removing rows pays and keeps rows elsewhere; the costs
+    are measured once per shape and kept on the model."""
+    inputs = batch_of(4)
+    model.decoder.measured_layer_costs.clear()
+    generate(model, inputs, "greedy", exit_controller=mixed_exits())
+    (key,) = model.decoder.measured_layer_costs  # one decoding shape: measured once
+    assert key[:2] == (4, 1)
+    runs = {}
+    for name, table in (
+        ("pays", LayerCosts(rows=(1, 4), kept=(1.0, 10.0), compacted=(1.0, 10.0), gather=0.0)),
+        ("never", LayerCosts(rows=(1, 4), kept=(1.0, 1.0), compacted=(5.0, 5.0), gather=1.0)),
+    ):
+        model.decoder.measured_layer_costs[key] = table
+        runs[name] = layer_calls(model, lambda: generate(model, inputs, "greedy", exit_controller=mixed_exits()))
+    model.decoder.measured_layer_costs.clear()
+    out, calls, _ = runs["pays"]
+    assert [sum(step) for step in calls] == out.exit_layers.sum(dim=0).tolist()
+    out, calls, _ = runs["never"]
+    assert calls == [[4] * depth for depth in out.exit_layers.max(dim=0).values.tolist()]
 
 
 def test_min_exit_layer_holds_back_exits(model):
@@ -426,6 +561,12 @@ def test_defaults_come_from_the_config_and_the_generation_config_and_survive_sav
         (dict(exit_controller=lambda state: torch.ones(1, dtype=torch.bool)), "shape"),
         (dict(exit_threshold=0.9, use_cache=False), "use_cache"),
         (dict(exit_threshold=0.9, kv_strategy="recompute", cache_implementation="static"), "static"),
+        (dict(row_exit="fast"), "row_exit"),
+        (dict(exit_token_layer="deepest"), "exit_token_layer"),
+        (dict(exit_token_layer="batch", row_exit="compact"), "row_exit"),
+        (dict(batch_stop_fraction=0), "batch_stop_fraction"),
+        (dict(batch_stop_fraction=1.5), "batch_stop_fraction"),
+        (dict(batch_stop_fraction="half"), "batch_stop_fraction"),
     ],
 )
 def test_bad_knobs_raise_value_errors_naming_them(model, knobs, message):
