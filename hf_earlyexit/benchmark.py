@@ -29,7 +29,7 @@ from .evaluation import TaskInputs, TaskRun, flop_costs, run_batch, score, task_
 from .measures import PartCosts, expected_time_reduction
 from .modeling.configuration_ofa import OFAEarlyExitConfig
 from .modeling.exit_controllers import FixedLayerExit
-from .modeling.exit_knobs import KV_STRATEGIES, NO_EXIT
+from .modeling.exit_knobs import KV_STRATEGIES, NO_EXIT, ROW_EXIT_PLANS
 from .modeling.generation_early_exit import EarlyExitSettings
 from .modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration
 
@@ -119,6 +119,8 @@ def forced_exit_benchmark(
         "repeats": repeats,
         "encoder": {},
         "decoder": {},
+        "decoder_patterns": {},
+        "decoder_plan": {},
     }
 
     inputs = random_inputs(config, encoder_batch_size, image_size, torch_device, torch_dtype)
@@ -158,7 +160,16 @@ def forced_exit_benchmark(
         functions = {"full": decode(model), "truncated": decode(truncated)}
         for strategy in KV_STRATEGIES:
             functions[strategy] = decode(model, exit_controller=exit_after, kv_strategy=strategy)
+        patterns = exit_patterns(forced_exit, config.decoder_layers, batch)
+        for name, (controller, deepest) in patterns.items():
+            functions[f"floor_{name}"] = decode(model, exit_controller=FixedLayerExit(deepest))
+            for row_exit in ROW_EXIT_PLANS:
+                functions[f"{name}_{row_exit}"] = decode(model, exit_controller=controller, row_exit=row_exit)
         seconds = {name: value / new_tokens for name, value in median_seconds(functions, repeats, torch_device).items()}
+        report["decoder_patterns"][f"batch_{batch}"] = {
+            name: pattern_summary(seconds, name, deepest) for name, (_, deepest) in patterns.items()
+        }
+        report["decoder_plan"][f"batch_{batch}"] = plan_report(model, encoder_outputs, batch)
         report["decoder"][f"batch_{batch}"] = {
             strategy: summary(
                 {"full": seconds["full"], "early_exit": seconds[strategy], "truncated": seconds["truncated"]},
@@ -169,6 +180,51 @@ def forced_exit_benchmark(
             for strategy in KV_STRATEGIES
         }
     return report
+
+
+def exit_patterns(forced_exit: int, depth: int, batch: int) -> dict[str, tuple[FixedLayerExit, int]]:
+    """Where each row of a batch exits, beside "every row after `forced_exit`": name -> (controller, the deepest
+    exit of the step). Rows that never exit run all `depth` layers. None at batch 1, where each is a uniform exit."""
+    if batch == 1:
+        return {}
+    return {
+        "alternating": (FixedLayerExit(lambda s: torch.where(s.rows % 2 == 0, forced_exit, depth)), depth),
+        "one_row_deep": (FixedLayerExit(lambda s: torch.where(s.rows == 0, depth, forced_exit)), depth),
+        "each_row_own_layer": (FixedLayerExit(lambda s: 1 + s.rows % 3), min(3, batch)),
+    }
+
+
+def pattern_summary(seconds: dict[str, float], name: str, deepest: int) -> dict:
+    """One pattern's milliseconds per step under each plan, and the ratios of the default plan (`auto`) to the full
+    model (speedup, >= 1 = never slower) and to its floor: every row stopping at the step's deepest exit."""
+    plans = {row_exit: round(seconds[f"{name}_{row_exit}"] * 1000, 3) for row_exit in ROW_EXIT_PLANS}
+    full, floor, auto = seconds["full"], seconds[f"floor_{name}"], seconds[f"{name}_auto"]
+    return {
+        "deepest_exit": deepest,
+        "full_ms_per_token": round(full * 1000, 3),
+        "floor_ms_per_token": round(floor * 1000, 3),
+        **{f"{row_exit}_ms_per_token": value for row_exit, value in plans.items()},
+        "auto_speedup_over_full": round(full / auto, 3),
+        "auto_over_floor": round(auto / floor, 3),
+    }
+
+
+def plan_report(model, encoder_outputs, batch: int) -> dict:
+    """The decoder's measured layer costs at this batch (ms) and what `auto` picks when half the rows are ready
+    after the first layer."""
+    decoder = model.get_decoder()
+    source = encoder_outputs.last_hidden_state
+    costs = decoder.layer_costs(batch, 1, source.shape[1], source.dtype)
+    depth = model.config.decoder_layers
+    return {
+        "rows": list(costs.rows),
+        "kept_layer_ms": [round(value * 1000, 3) for value in costs.kept],
+        "compacted_layer_ms": [round(value * 1000, 3) for value in costs.compacted],
+        "gather_ms": round(costs.gather * 1000, 3),
+        "auto_half_ready_after_layer_1": "compact"
+        if batch > 1 and costs.compact_pays(batch, batch - batch // 2, depth - 1)
+        else "keep",
+    }
 
 
 def training_step_benchmark(
@@ -307,9 +363,16 @@ def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: i
     runs = {name: TaskRun.concatenate(batches) for name, batches in batch_runs.items()}
     costs, flops = measure_part_costs(model, inputs, repeats), flop_costs(model, inputs)
 
-    def reduction(run, part_costs: PartCosts) -> float:
+    batch_size = inputs.batches[0]["input_ids"].shape[0]
+
+    def reduction(run, part_costs: PartCosts, batch: int = batch_size) -> float:
         return expected_time_reduction(
-            run.encoder_exit_layers, run.decoder_exit_layers, part_costs, config.encoder_layers, config.decoder_layers
+            run.encoder_exit_layers,
+            run.decoder_exit_layers,
+            part_costs,
+            config.encoder_layers,
+            config.decoder_layers,
+            batch,
         )
 
     def side(name: str) -> dict:
@@ -330,12 +393,13 @@ def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: i
     full, early = side("full"), side("early_exit")
     early["expected_time_reduction"] = round(reduction(runs["early_exit"], costs), 4)
     early["expected_time_reduction_flops"] = round(reduction(runs["early_exit"], flops), 4)
+    early["expected_time_reduction_per_row"] = round(reduction(runs["early_exit"], costs, 1), 4)
     early["settings"] = knobs
     return {
         "task": inputs.task.name,
         "metric": inputs.task.quality_key,
         "samples": inputs.samples,
-        "batch_size": inputs.batches[0]["input_ids"].shape[0],
+        "batch_size": batch_size,
         "device": device_name(model.device),
         "dtype": str(model.dtype).removeprefix("torch."),
         "repeats": repeats,

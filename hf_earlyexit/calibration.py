@@ -34,12 +34,14 @@ class OperatingPoint:
 
     settings: the `generate` knobs (e.g. {"exit_threshold": 0.9, "encoder_text_exit_threshold": 0.99}).
     quality: the task metric on the calibration split (higher is better).
-    expected_time_reduction: 1 - (cost-weighted layers run) / (the full model's), in [0, 1).
+    expected_time_reduction: 1 - (cost-weighted layers run) / (the full model's), in [0, 1), batch-aware at the
+        batch size the point was evaluated with (a step costs its deepest row).
     seconds: measured wall-clock of the split, when timed.
     sample_losses: per sample, a loss in [0, 1] against the full model (e.g. 1 if the answer differs); what Learn
         then Test controls.
     predictions: the outputs, when the point came from a `sweep`.
     shallowest_encoder_exit: the fewest encoder layers any sample's image or text ran, when it came from a `sweep`.
+    per_row_time_reduction: the same counting each row's own layers (the papers' figure), from a `sweep`.
     """
 
     settings: dict[str, Any]
@@ -49,6 +51,7 @@ class OperatingPoint:
     sample_losses: list[float] | None = field(default=None, repr=False)
     predictions: list[str] | None = field(default=None, repr=False)
     shallowest_encoder_exit: int | None = None
+    per_row_time_reduction: float | None = None
 
 
 def pareto_frontier(points: Sequence[OperatingPoint]) -> list[OperatingPoint]:
@@ -105,13 +108,16 @@ def calibration_grid(
     config,
     decoder_thresholds: dict[str, Sequence[float]] = DECODER_THRESHOLDS,
     encoder_thresholds: Sequence[float] = ENCODER_THRESHOLDS,
+    batch_rules: Sequence[dict[str, Any]] = ({},),
 ) -> list[dict[str, Any]]:
-    """Every combination of a decoder setting (no exit, or a policy with a threshold) and an encoder setting per
-    stream (no exit, or a similarity threshold), as `generate` knobs; the all-"no exit" point is left out."""
+    """Every combination of a decoder setting (no exit, or a policy with a threshold under each of the decoder's
+    `batch_rules`, e.g. {"exit_token_layer": "batch"}) and an encoder setting per stream (no exit, or a similarity
+    threshold), as `generate` knobs; the all-"no exit" point is left out."""
     decoder = [{}] + [
-        {"exit_policy": policy, "exit_threshold": threshold}
+        {"exit_policy": policy, "exit_threshold": threshold, **rule}
         for policy, thresholds in decoder_thresholds.items()
         for threshold in thresholds
+        for rule in batch_rules
     ]
     streams = ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
     per_stream = [[None, *encoder_thresholds]] * len(streams)
@@ -130,21 +136,21 @@ def sweep(
     seconds, and per sample whether the answer differs from the full model's (the Learn-then-Test loss)."""
     from tqdm.auto import tqdm
 
-    config = model.config
+    config, batch_size = model.config, inputs.batches[0]["input_ids"].shape[0]
 
     def evaluate(knobs: dict[str, Any], reference: list[str] | None) -> OperatingPoint:
         run = run_task(model, processor, inputs, knobs)
         encoder_layers_run = run.encoder_exit_layers[run.encoder_exit_layers > 0]  # 0: a modality the input lacks
+        layers = (run.encoder_exit_layers, run.decoder_exit_layers, costs, config.encoder_layers, config.decoder_layers)
         return OperatingPoint(
             settings=knobs,
             quality=score(inputs.task, run.predictions, inputs.targets)[inputs.task.quality_key],
-            expected_time_reduction=expected_time_reduction(
-                run.encoder_exit_layers, run.decoder_exit_layers, costs, config.encoder_layers, config.decoder_layers
-            ),
+            expected_time_reduction=expected_time_reduction(*layers, batch_size),
             seconds=run.seconds,
             sample_losses=disagreement(run.predictions, reference if reference is not None else run.predictions),
             predictions=run.predictions,
             shallowest_encoder_exit=int(encoder_layers_run.min()) if encoder_layers_run.numel() else None,
+            per_row_time_reduction=expected_time_reduction(*layers),
         )
 
     full = evaluate({}, None)
@@ -218,22 +224,32 @@ def calibrate(
     delta: float = 0.1,
     decoder_thresholds: dict[str, Sequence[float]] = DECODER_THRESHOLDS,
     encoder_thresholds: Sequence[float] = ENCODER_THRESHOLDS,
+    batch_rules: Sequence[dict[str, Any]] = ({},),
     plot: Callable[[Sweeps, dict[str, Any] | None], Path] | None = None,
     write_to: str | Path | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Sweep the grid of `decoder_thresholds` x `encoder_thresholds` on each task's first `samples` rows of `split`
-    and choose the fastest setting within `tolerance` of the full model on every task (with the shallowest encoder
-    exit seen as `encoder_min_exit_layer`). Returns the JSON report `hf-earlyexit calibrate` prints: per task the
-    full quality, the Pareto frontier, the Learn-then-Test choice at level `delta` and the chosen setting's point.
+    """Sweep the grid of `decoder_thresholds` x `batch_rules` x `encoder_thresholds` on each task's first `samples`
+    rows of `split`
+    in batches of `batch_size` and choose the fastest setting (by the batch-aware expected time reduction) within
+    `tolerance` of the full model on every task (with the shallowest encoder exit seen as `encoder_min_exit_layer`).
+    Returns the JSON report `hf-earlyexit calibrate` prints: per task the full quality, the Pareto frontier, the
+    Learn-then-Test choice at level `delta` and the chosen setting's point.
 
     plot: draws the sweeps with the chosen setting and returns the file, e.g.
         `lambda sweeps, chosen: plots.tradeoff_plot(sweeps, path, chosen)` (a callable: `plots` imports this module).
     write_to: the model's folder, where the choice is saved as its generation defaults and the report as
         calibration.json; ValueError, and nothing written, when no setting is within `tolerance` on every task.
     """
-    grid = calibration_grid(model.config, decoder_thresholds, encoder_thresholds)
-    report: dict[str, Any] = {"split": split, "tolerance": tolerance, "points": len(grid), "tasks": {}}
+    grid = calibration_grid(model.config, decoder_thresholds, encoder_thresholds, batch_rules)
+    # The time reductions are batch-aware, so the choice is for this batch size.
+    report: dict[str, Any] = {
+        "split": split,
+        "batch_size": batch_size,
+        "tolerance": tolerance,
+        "points": len(grid),
+        "tasks": {},
+    }
     sweeps: Sweeps = {}
     for name in tasks:
         inputs = task_inputs(name, processor, split, samples, batch_size)
@@ -280,6 +296,7 @@ def chosen_report(point: OperatingPoint, full: OperatingPoint) -> dict[str, Any]
         "quality": point.quality,
         "quality_ratio": point.quality / full.quality if full.quality else None,
         "expected_time_reduction": point.expected_time_reduction,
+        "per_row_time_reduction": point.per_row_time_reduction,
         "seconds": point.seconds,
         "full_seconds": full.seconds,
     }

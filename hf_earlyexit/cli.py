@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 from .data import CAPTION_PROMPT
 from .loading import build_processor, load_image, load_model_and_processor
-from .modeling.exit_knobs import EXIT_KNOBS, KV_STRATEGIES, POLICY_NAMES
+from .modeling.exit_knobs import (
+    EXIT_KNOBS,
+    EXIT_TOKEN_LAYERS,
+    KV_STRATEGIES,
+    POLICY_NAMES,
+    ROW_EXIT_PLANS,
+    check_knobs,
+    non_default_knobs,
+)
 from .publishing import PublishError, publish
 
 if TYPE_CHECKING:
@@ -85,10 +93,17 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     encoder_thresholds = parse_floats(args.encoder_thresholds) if args.encoder_thresholds else ENCODER_THRESHOLDS
     decoder_thresholds = {policy: parse_floats(text) for policy, text in (("similarity", args.similarity_thresholds),
                           ("confidence", args.confidence_thresholds)) if text}  # fmt: skip
+    batch_rules = [
+        non_default_knobs({"exit_token_layer": layer, "batch_stop_fraction": fraction})
+        for layer in parse_list(args.exit_token_layers, str, "--exit-token-layers must be comma-separated names")
+        for fraction in parse_floats(args.batch_stop_fractions)
+    ]
     model, processor = load_model_and_processor(args.model_dir)
+    for rule in batch_rules:  # before the sweep, not at its first setting
+        check_knobs(rule, model.config)
     sweep = (args.tasks.split(","), args.split, args.samples, args.batch_size, args.tolerance, args.delta)
     report = calibrate(
-        model, processor, *sweep, decoder_thresholds, encoder_thresholds,
+        model, processor, *sweep, decoder_thresholds, encoder_thresholds, batch_rules,
         plot=(lambda sweeps, chosen: tradeoff_plot(sweeps, args.plot, chosen)) if args.plot else None,
         write_to=args.model_dir if args.write else None,
         progress=not args.quiet,
@@ -162,6 +177,11 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encoder-text-exit-threshold", dest="encoder_text_exit_threshold", type=float)
     parser.add_argument("--encoder-exit-threshold", dest="encoder_exit_threshold", type=float)
     parser.add_argument("--kv-strategy", dest="kv_strategy", choices=KV_STRATEGIES)
+    parser.add_argument("--row-exit", dest="row_exit", choices=ROW_EXIT_PLANS, help="ready rows: kept or compacted")
+    parser.add_argument(
+        "--exit-token-layer", dest="exit_token_layer", choices=EXIT_TOKEN_LAYERS, help="a ready row's token layer"
+    )
+    parser.add_argument("--batch-stop-fraction", dest="batch_stop_fraction", type=float)
     parser.add_argument("--full", action="store_true", help="the full model (no exit)")
 
 
@@ -269,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--encoder-thresholds", help="encoder streams' similarity thresholds, comma-separated")
     calibrate.add_argument("--similarity-thresholds", default="0.95,0.98", help="decoder, similarity policy")
     calibrate.add_argument("--confidence-thresholds", default="0.6,0.8,0.9,0.95", help="decoder, confidence")
+    calibrate.add_argument(
+        "--exit-token-layers", default="own", help="decoder batch rule to sweep: own, batch or own,batch"
+    )
+    calibrate.add_argument("--batch-stop-fractions", default="1.0", help="decoder batch rule to sweep: 1.0,0.75")
     calibrate.add_argument("--plot", help="write the quality / time-reduction trade-off to this PNG")
     calibrate.add_argument("--write", action="store_true", help="save the choice as the model's generation defaults")
     calibrate.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -144,23 +144,26 @@ def evaluate_task(
     meteor: bool = False,
 ) -> dict[str, Any]:
     """Task `task`'s first `samples` rows of `split` through `generate` with `knobs` (on top of "no exit"): the
-    scores, the expected time reduction by FLOPs and the seconds. The JSON object `hf-earlyexit eval` prints."""
+    scores, the expected time reduction by FLOPs (batch-aware at `batch_size`, and per row) and the seconds. The
+    JSON object `hf-earlyexit eval` prints."""
     inputs = task_inputs(task, processor, split, samples, batch_size)
     run = run_task(model, processor, inputs, knobs)
-    config = model.config
+    config, costs = model.config, flop_costs(model, inputs)
+
+    def reduction(batch: int) -> float:
+        return expected_time_reduction(
+            run.encoder_exit_layers, run.decoder_exit_layers, costs, config.encoder_layers, config.decoder_layers, batch
+        )
+
     return {
         "task": inputs.task.name,
         "split": split,
         "samples": inputs.samples,
+        "batch_size": batch_size,
         "settings": knobs or {},
         "scores": score(inputs.task, run.predictions, inputs.targets, meteor=meteor),
-        "expected_time_reduction_flops": expected_time_reduction(
-            run.encoder_exit_layers,
-            run.decoder_exit_layers,
-            flop_costs(model, inputs),
-            config.encoder_layers,
-            config.decoder_layers,
-        ),
+        "expected_time_reduction_flops": reduction(batch_size),
+        "expected_time_reduction_flops_per_row": reduction(1),
         "seconds": run.seconds,
     }
 

@@ -2,7 +2,8 @@
 
 - Expected time reduction (MuE): the layers each part ran, weighted by that part's cost per layer, against the
   same inputs and tokens at full depth: 1 - cost(exits) / cost(full). The costs come from `PartCosts`: FLOPs from
-  the config by default (`PartCosts.from_config`), or measured seconds.
+  the config by default (`PartCosts.from_config`), or measured seconds. Per row (the papers' figure, which counts
+  each row's own layers) or batch-aware (a step costs its deepest row: what a batch > 1 can give).
 - Parameter speedup (BLIPEE): the decoder parameters a full-depth token uses over the average a token used.
 """
 
@@ -54,17 +55,33 @@ class PartCosts:
         )
 
 
+def batch_deepest(exit_layers: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Each row's exit layers [N, C] replaced, column by column, by the deepest of its batch (consecutive groups of
+    `batch_size` rows); 0 (no token, no modality) stays 0. What the rows cost when a layer costs the same for any
+    number of rows and ready rows stay in the batch: a step costs what its deepest row costs."""
+    deepest = [group.max(dim=0, keepdim=True).values.expand_as(group) for group in exit_layers.split(batch_size)]
+    return torch.where(exit_layers > 0, torch.cat(deepest), 0)
+
+
 def expected_time_reduction(
     encoder_exit_layers: torch.Tensor,
     decoder_exit_layers: torch.Tensor,
     costs: PartCosts,
     encoder_layers: int,
     decoder_layers: int,
+    batch_size: int = 1,
 ) -> float:
-    """1 - cost(exits) / cost(full depth) over a batch: `encoder_exit_layers` [N, 2] (image, text; a joint encoder
-    gives its depth in both), `decoder_exit_layers` [N, T] with 0 where no token was generated."""
+    """1 - cost(exits) / cost(full depth) over N samples: `encoder_exit_layers` [N, 2] (image, text; a joint encoder
+    gives its depth in both), `decoder_exit_layers` [N, T] with 0 where no token was generated. With `batch_size`
+    > 1 it is batch-aware: the samples ran in consecutive batches of that size, each part of a batch and each
+    decoding step costing what its deepest row costs (`batch_deepest`); 1 gives the per-row figure of the papers."""
     if encoder_exit_layers.ndim != 2 or encoder_exit_layers.shape[1] != 2 or decoder_exit_layers.ndim != 2:
         raise ValueError("Expected encoder exit layers [N, 2] and decoder exit layers [N, T].")
+    if batch_size < 1:
+        raise ValueError(f"`batch_size` must be positive, got {batch_size}.")
+    if batch_size > 1:
+        encoder_exit_layers = batch_deepest(encoder_exit_layers, batch_size)
+        decoder_exit_layers = batch_deepest(decoder_exit_layers, batch_size)
     if bool((encoder_exit_layers > encoder_layers).any()) or bool((decoder_exit_layers > decoder_layers).any()):
         raise ValueError("An exit layer is deeper than the model.")
     samples = encoder_exit_layers.shape[0]
@@ -108,4 +125,4 @@ def parameter_speedup(model, decoder_exit_layers: torch.Tensor) -> float:
     return float((cumulative[-1] + shared) / used.mean())
 
 
-__all__ = ["PartCosts", "expected_time_reduction", "parameter_speedup"]
+__all__ = ["PartCosts", "batch_deepest", "expected_time_reduction", "parameter_speedup"]

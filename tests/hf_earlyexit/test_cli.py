@@ -91,6 +91,16 @@ def test_bench_prints_json_with_realized_and_ideal_speedups(capsys):
         row = report["decoder"]["batch_2"][strategy]
         assert row["layer_count_speedup"] == 4.0  # OFA-tiny has 4 decoder layers
         assert row["realized_over_ideal"] == round(row["truncated_ms_per_token"] / row["early_exit_ms_per_token"], 3)
+    assert report["decoder_patterns"]["batch_1"] == {}  # every pattern is a uniform exit at batch 1
+    patterns = report["decoder_patterns"]["batch_2"]
+    assert set(patterns) == {"alternating", "one_row_deep", "each_row_own_layer"}
+    for row in patterns.values():
+        assert row["auto_speedup_over_full"] == round(row["full_ms_per_token"] / row["auto_ms_per_token"], 3)
+        assert row["auto_over_floor"] == round(row["auto_ms_per_token"] / row["floor_ms_per_token"], 3)
+    assert patterns["alternating"]["deepest_exit"] == 4 and patterns["each_row_own_layer"]["deepest_exit"] == 2
+    plan = report["decoder_plan"]["batch_2"]
+    assert plan["rows"] == [1, 2] and len(plan["kept_layer_ms"]) == 2
+    assert plan["auto_half_ready_after_layer_1"] in ("keep", "compact")
 
 
 def test_bench_training_step_times_each_exit_loss(capsys):
@@ -144,9 +154,14 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     plot = tmp_path / "tradeoff.png"
     argv = ["calibrate", str(task_model_dir), "--tasks", "vqa,caption", "--samples", "4", "--batch-size", "4"]
     thresholds = ["--similarity-thresholds", "0.9", "--confidence-thresholds", "0.0", "--encoder-thresholds", "-1"]
+    thresholds += ["--exit-token-layers", "own,batch"]
     assert main([*argv, *thresholds, "--tolerance", "0.99", "--plot", str(plot), "--write", "--quiet", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["points"] == 3 * 2 * 2 - 1 and set(report["tasks"]) == {"vqa", "caption"}
+    assert report["points"] == (1 + 2 * 2) * 2 * 2 - 1 and set(report["tasks"]) == {"vqa", "caption"}
+    assert report["batch_size"] == 4  # the time reductions, hence the choice, are for batches of 4
+    for task in report["tasks"].values():
+        chosen_point = task["chosen"]
+        assert chosen_point["expected_time_reduction"] <= chosen_point["per_row_time_reduction"]
     chosen = report["chosen"]
     assert chosen is not None and all(report["tasks"][task]["chosen"] for task in ("vqa", "caption"))
     # Threshold -1 stops a stream after its first layer, so no encoder exit test is skipped.
@@ -188,6 +203,9 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
         (["bench", "{m}", "--task", "vqa", "--samples", "2", "--kv-strategy", "copy"], "No exit setting"),
         (["eval", "{m}", "--task", "vqa", "--samples", "0"], "--samples must be positive"),
         (["calibrate", "{m}", "--tasks", "vqa", "--encoder-thresholds", "high"], "comma-separated numbers"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--exit-token-layers", "own,deepest"], "exit_token_layer"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--batch-stop-fractions", "0.5,0"], "batch_stop_fraction"),
+        (["eval", "{m}", "--task", "vqa", "--exit-threshold", "0.9", "--batch-stop-fraction", "2"], "batch_stop"),
         (["calibrate", "{m}", "--tasks", "ocr"], "Unknown task 'ocr'"),
         (["bench", "{m}", "--forced-exit", "1"], "not both"),
         *(

@@ -89,6 +89,8 @@ def test_evaluate_task_reports_scores_and_the_flops_time_reduction():
     assert report["task"] == "vqa" and report["split"] == "validation" and report["samples"] == 4
     assert report["settings"] == knobs and 0 <= report["scores"]["accuracy"] <= 1
     assert 0 < report["expected_time_reduction_flops"] < 1 and report["seconds"] > 0
+    # A step costs its deepest row: the batch-aware figure never promises more than the per-row one.
+    assert report["expected_time_reduction_flops"] <= report["expected_time_reduction_flops_per_row"]
     full = evaluate_task(model, processor, "vqa", split="validation", samples=4, batch_size=2)
     assert full["settings"] == {} and full["expected_time_reduction_flops"] == 0
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_earlyexit.measures import PartCosts, expected_time_reduction, parameter_speedup
+from hf_earlyexit.measures import PartCosts, batch_deepest, expected_time_reduction, parameter_speedup
 from tests.helpers import tiny_config, tiny_model
 
 
@@ -16,6 +16,22 @@ def test_expected_time_reduction_weights_layers_by_part_cost():
     assert expected_time_reduction(torch.full((2, 2), 4), torch.full((2, 3), 4), costs, 4, 4) == 0.0
     with pytest.raises(ValueError, match="deeper"):
         expected_time_reduction(encoder, decoder + 4, costs, 4, 4)
+
+
+def test_batch_aware_time_reduction_charges_each_step_its_deepest_row():
+    costs = PartCosts(encoder_image=1, encoder_text=0, decoder=1)
+    encoder = torch.tensor([[1, 1], [3, 3], [2, 2]])
+    decoder = torch.tensor([[1, 4, 0], [2, 2, 2], [1, 1, 1]])
+    # Batches of 2: rows 0-1 run the deepest of each column, (3, 3) and steps (2, 4, 2); row 2 is a batch of its own.
+    assert batch_deepest(decoder, 2).tolist() == [[2, 4, 0], [2, 4, 2], [1, 1, 1]]
+    assert batch_deepest(encoder, 2)[:, 0].tolist() == [3, 3, 2]
+    per_row = expected_time_reduction(encoder, decoder, costs, 4, 4)
+    batched = expected_time_reduction(encoder, decoder, costs, 4, 4, batch_size=2)
+    # run: encoder 3 + 3 + 2 = 8, decoder 2 + 4 + 2 + 4 + 2 + 3 = 17; full: 12 + 32 = 44
+    assert batched == pytest.approx(1 - 25 / 44) and batched < per_row
+    assert expected_time_reduction(encoder, decoder, costs, 4, 4, batch_size=3) <= batched
+    with pytest.raises(ValueError, match="batch_size"):
+        expected_time_reduction(encoder, decoder, costs, 4, 4, batch_size=0)
 
 
 def test_costs_from_config_count_the_streams_of_a_decomposed_encoder():
