@@ -12,8 +12,8 @@ goes on. What happens to a ready row is the execution plan:
   then reads each contiguous run of the batch's cached K/V as a view (`ActiveRows`). It pays when a layer's cost grows
   with its rows (many tokens per row: the encoder, prefill) and not otherwise (the gathers and per-run attention cost
   5-17% of a decoding step on a CPU).
-- `AutoPlan`: at each stop, compacts only when the measured `LayerCosts` predict that the layers left cost less on the
-  rows that go on, gathers included, than on the rows running now.
+- `AutoPlan`: at each stop, compacts only when the measured `LayerCosts` predict that the next layer costs clearly
+  less on the rows that go on, gather included, than on the rows running now.
 
 The loop ends when the last row is ready. Two batch-level rules change what "ready" gives: the token of a row ready
 before the batch stops may come from the layer where the batch stops (`token_from_batch_layer`, CALM's rule: deeper,
@@ -63,18 +63,21 @@ def computed(state: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
     return state() if callable(state) else state
 
 
-def median_seconds(call: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """Median wall-clock seconds of `call()` over `repeats` runs after a warm-up, synchronised on a GPU."""
-    seconds = []
-    for _ in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds[1:])
+def median_seconds(calls: list[Callable[[], object]], device: torch.device, repeats: int = 5) -> list[float]:
+    """Median wall-clock seconds of each call over `repeats` rounds after a warm-up round, synchronised on a GPU.
+    Each round runs every call once, in reversed order every other round, so the machine's drift hits them alike."""
+    seconds: list[list[float]] = [[] for _ in calls]
+    for round_ in range(repeats + 1):
+        for index in range(len(calls)) if round_ % 2 else reversed(range(len(calls))):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            calls[index]()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if round_:
+                seconds[index].append(time.perf_counter() - start)
+    return [statistics.median(values) for values in seconds]
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,10 @@ class LayerCosts:
     compacted: tuple[float, ...]
     gather: float
 
-    # Compaction must save at least this fraction to be chosen: a timing's noise must not flip the plan.
-    margin = 0.05
+    # Compaction must save at least this fraction of a layer. Rows that leave cost outside the layer too (their
+    # keys and values filled by the KV strategy instead of computed, writes by index): 5-17% of a decoding step
+    # at OFA-base size on a CPU (issue 21). The margin also keeps timing noise from flipping the plan.
+    margin = 0.25
 
     @staticmethod
     def interpolate(rows: tuple[int, ...], seconds: tuple[float, ...], count: int) -> float:
@@ -116,19 +121,22 @@ class LayerCosts:
         scattered: bool = True,
     ) -> "LayerCosts":
         """Time `layer_on(rows)()` (one layer over the batch indices `rows`) at 1, half and all the rows, as one run
-        and (`scattered`) spread over the batch, and `gather()`: median of 3 after a warm-up, synchronised."""
+        and (`scattered`) spread over the batch, and `gather()`: medians of 5 interleaved rounds, synchronised."""
         rows = tuple(sorted({1, (batch_size + 1) // 2, batch_size}))
-        kept = tuple(median_seconds(layer_on(torch.arange(count, device=device)), device) for count in rows)
-        compacted = kept
+        calls = [layer_on(torch.arange(count, device=device)) for count in rows]
         if scattered:
             spread = [torch.linspace(0, batch_size - 1, count, device=device).round().long() for count in rows]
-            compacted = tuple(median_seconds(layer_on(index), device) for index in spread)
-        return cls(rows, kept, compacted, median_seconds(gather, device))
+            calls += [layer_on(index) for index in spread]
+        *layers, gathered = median_seconds([*calls, gather], device)
+        kept, compacted = tuple(layers[: len(rows)]), tuple(layers[len(rows) :] or layers[: len(rows)])
+        return cls(rows, kept, compacted, gathered)
 
-    def compact_pays(self, running: int, going_on: int, layers_left: int) -> bool:
-        """Whether `layers_left` layers on the `going_on` rows, gathered, cost less than on the `running` rows."""
-        keep = layers_left * self.interpolate(self.rows, self.kept, running)
-        compact = self.gather + layers_left * self.interpolate(self.rows, self.compacted, going_on)
+    def compact_pays(self, running: int, going_on: int) -> bool:
+        """Whether the next layer on the `going_on` rows, gathered, costs less than on the `running` rows by the
+        margin. One layer only: the rows that go on may stop at the next exit, and keeping is never slower than
+        the step's deepest row, while a compaction that does not pay makes the step slower than that."""
+        keep = self.interpolate(self.rows, self.kept, running)
+        compact = self.gather + self.interpolate(self.rows, self.compacted, going_on)
         return compact < (1 - self.margin) * keep
 
 
@@ -161,7 +169,7 @@ class AutoPlan:
         self.costs = costs
 
     def go_on(self, exits: "RowExits", layer: int, leaving: States, carried: tuple) -> tuple:
-        if self.costs().compact_pays(len(exits.running), exits.waiting_count, exits.depth - layer):
+        if self.costs().compact_pays(len(exits.running), exits.waiting_count):
             return exits.compact(layer, leaving, carried)
         return carried
 
@@ -189,7 +197,6 @@ class RowExits:
         token_from_batch_layer: bool = False,
         stop_fraction: float = 1.0,
     ):
-        self.depth = depth
         self.exit_layers = torch.full((batch_size,), depth, dtype=torch.long, device=device)
         self.layers_run = self.exit_layers.clone()
         self.running = torch.arange(batch_size, device=device)

@@ -79,9 +79,9 @@ def costs(kept: float, compacted: float, gather: float = 0.0) -> LayerCosts:
 
 
 def test_auto_compacts_only_where_the_measured_costs_say_it_pays():
-    assert costs(kept=10.0, compacted=5.0).compact_pays(running=4, going_on=2, layers_left=3)
-    assert not costs(kept=10.0, compacted=5.0, gather=20.0).compact_pays(running=4, going_on=2, layers_left=3)
-    assert not costs(kept=10.0, compacted=9.8).compact_pays(running=4, going_on=2, layers_left=3)  # within noise
+    assert costs(kept=10.0, compacted=5.0).compact_pays(running=4, going_on=2)
+    assert not costs(kept=10.0, compacted=5.0, gather=3.0).compact_pays(running=4, going_on=2)  # within one layer
+    assert not costs(kept=10.0, compacted=8.0).compact_pays(running=4, going_on=2)  # within the margin
     for pays, running in ((costs(kept=10.0, compacted=1.0), [2, 3]), (costs(kept=1.0, compacted=10.0), [0, 1, 2, 3])):
         exits = RowExits(batch_size=4, depth=4, device=CPU, plan=AutoPlan(lambda pays=pays: pays))
         hidden = states(4, 1.0)
@@ -99,6 +99,9 @@ def test_layer_costs_are_measured_for_each_row_count():
     measured = LayerCosts.measure(4, lambda rows: lambda: calls.append(rows.tolist()), lambda: None, CPU)
     assert measured.rows == (1, 2, 4) and len(measured.kept) == len(measured.compacted) == 3
     assert [0, 3] in calls and [0, 1] in calls  # scattered and contiguous halves of the batch
+    assert len(calls) == 6 * 6  # every row count both ways, a warm-up round and 5 timed rounds
+    unscattered = LayerCosts.measure(4, lambda rows: lambda: None, lambda: None, CPU, scattered=False)
+    assert unscattered.compacted == unscattered.kept
 
 
 def test_active_rows_group_contiguous_runs():
