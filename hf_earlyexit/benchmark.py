@@ -170,8 +170,8 @@ def forced_exit_benchmark(
             timed = {"full": decode(model), "floor": decode(model, exit_controller=FixedLayerExit(deepest))}
             for row_exit in ROW_EXIT_PLANS:
                 timed[row_exit] = decode(model, exit_controller=controller, row_exit=row_exit)
-            pattern = {key: value / new_tokens for key, value in median_seconds(timed, repeats, torch_device).items()}
-            report["decoder_patterns"][f"batch_{batch}"][name] = pattern_summary(pattern, deepest)
+            rounds = round_seconds({key: lambda _, f=f: f() for key, f in timed.items()}, 0, repeats, torch_device)
+            report["decoder_patterns"][f"batch_{batch}"][name] = pattern_summary(rounds, deepest, new_tokens)
         if batch > 1:
             report["decoder_plan"][f"batch_{batch}"] = plan_report(model, encoder_outputs, batch)
         report["decoder"][f"batch_{batch}"] = {
@@ -198,20 +198,21 @@ def exit_patterns(forced_exit: int, depth: int, batch: int) -> dict[str, tuple[F
     }
 
 
-def pattern_summary(seconds: dict[str, float], deepest: int) -> dict:
-    """One pattern's milliseconds per step: the full model, the floor (every row stopping at the step's deepest
-    exit) and each plan, with the ratios of each plan to the full model (speedup, >= 1 = never slower) and to the
-    floor."""
-    full, floor = seconds["full"], seconds["floor"]
-    summary = {
-        "deepest_exit": deepest,
-        "full_ms_per_token": round(full * 1000, 3),
-        "floor_ms_per_token": round(floor * 1000, 3),
-    }
+def pattern_summary(rounds: dict[str, list[float]], deepest: int, new_tokens: int) -> dict:
+    """One pattern's median milliseconds per step: the full model, the floor (every row stopping at the step's
+    deepest exit) and each plan; and the median over rounds of each plan's ratio, within the round, to the full
+    model (speedup, >= 1 = never slower) and to the floor. Ratios within a round keep the machine's drift out."""
+
+    def median(values: list[float]) -> float:
+        return round(statistics.median(values), 3)
+
+    summary = {"deepest_exit": deepest}
+    for name in ("full", "floor", *ROW_EXIT_PLANS):
+        summary[f"{name}_ms_per_token"] = median([1000 * value / new_tokens for value in rounds[name]])
     for row_exit in ROW_EXIT_PLANS:
-        summary[f"{row_exit}_ms_per_token"] = round(seconds[row_exit] * 1000, 3)
-        summary[f"{row_exit}_speedup_over_full"] = round(full / seconds[row_exit], 3)
-        summary[f"{row_exit}_over_floor"] = round(seconds[row_exit] / floor, 3)
+        times = rounds[row_exit]
+        summary[f"{row_exit}_speedup_over_full"] = median([f / t for f, t in zip(rounds["full"], times, strict=True)])
+        summary[f"{row_exit}_over_floor"] = median([t / f for t, f in zip(times, rounds["floor"], strict=True)])
     return summary
 
 
@@ -333,23 +334,32 @@ def paired_seconds(
     after a warm-up round, the order reversed in every other round; the sum over batches of each batch's median.
     Pairing at the batch, milliseconds apart, keeps a shared machine's drift out of the ratios: on ours, whole-split
     runs minutes apart moved by up to 20%."""
-    if repeats < 1:
-        raise ValueError(f"`repeats` must be positive, got {repeats}.")
     seconds = dict.fromkeys(functions, 0.0)
     for index in range(batches):
-        times: dict[str, list[float]] = {name: [] for name in functions}
-        for round_ in range(repeats + 1):
-            for name in list(functions) if round_ % 2 else reversed(functions):
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                functions[name](index)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times[name].append(time.perf_counter() - start)
-        for name, values in times.items():
-            seconds[name] += statistics.median(values[1:])  # the first round warms up
+        for name, values in round_seconds(functions, index, repeats, device).items():
+            seconds[name] += statistics.median(values)
     return seconds
+
+
+def round_seconds(
+    functions: dict[str, Callable[[int], object]], index: int, repeats: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Seconds of each function on batch `index` in each of `repeats` rounds, after a warm-up round; every round runs
+    them all back to back, the order reversed in every other round."""
+    if repeats < 1:
+        raise ValueError(f"`repeats` must be positive, got {repeats}.")
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for round_ in range(repeats + 1):
+        for name in list(functions) if round_ % 2 else reversed(functions):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            functions[name](index)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if round_:  # the first round warms up
+                times[name].append(time.perf_counter() - start)
+    return times
 
 
 def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: int = 3, meteor: bool = False) -> dict:

@@ -94,13 +94,13 @@ def test_bench_prints_json_with_realized_and_ideal_speedups(capsys):
     assert report["decoder_patterns"]["batch_1"] == {}  # every pattern is a uniform exit at batch 1
     patterns = report["decoder_patterns"]["batch_2"]
     assert set(patterns) == {"alternating", "one_row_deep", "each_row_own_layer"}
-    for row in patterns.values():
+    for row in patterns.values():  # one round: each ratio is the ratio of the round's times
         for plan in ("auto", "keep", "compact"):
             assert row[f"{plan}_speedup_over_full"] == pytest.approx(
-                row["full_ms_per_token"] / row[f"{plan}_ms_per_token"], abs=2e-3
+                row["full_ms_per_token"] / row[f"{plan}_ms_per_token"], rel=0.01
             )
             assert row[f"{plan}_over_floor"] == pytest.approx(
-                row[f"{plan}_ms_per_token"] / row["floor_ms_per_token"], abs=2e-3
+                row[f"{plan}_ms_per_token"] / row["floor_ms_per_token"], rel=0.01
             )
     assert patterns["alternating"]["deepest_exit"] == 4 and patterns["each_row_own_layer"]["deepest_exit"] == 2
     assert set(report["decoder_plan"]) == {"batch_2"}
