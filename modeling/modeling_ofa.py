@@ -1298,8 +1298,10 @@ class OFADecoder(nn.Module):
         exits: RowExits,
         query_mask: torch.Tensor | None,
         exit_state: Callable[[], torch.Tensor],
+        finished: torch.Tensor | None,
     ) -> tuple[torch.Tensor, ExitState]:
-        """Ask the decoder's controller which running rows stop after layer `count`: BoolTensor[rows] and its state."""
+        """Ask the decoder's controller which running rows stop after layer `count`: BoolTensor[rows] and its state.
+        Rows in `finished` [batch] stop whatever the controller says."""
         state = ExitState(
             part="decoder",
             layer=count,
@@ -1312,7 +1314,8 @@ class OFADecoder(nn.Module):
             attention_mask=query_mask,
             logits_fn=lambda: self.exit_logits(exit_state()[:, -1]),
         )
-        return checked_decision(exit_settings.decoder(state), state, exit_settings.decoder), state
+        stop = checked_decision(exit_settings.decoder(state), state, exit_settings.decoder)
+        return stop if finished is None else stop | finished[exits.running], state
 
     def fill_skipped_layers_later(
         self, self_cache: EarlyExitCache, exits: RowExits, slots: slice | None, exit_outputs: torch.Tensor
@@ -1371,6 +1374,12 @@ class OFADecoder(nn.Module):
             step.cross_bias,
             step.query_mask,
         )
+        # Rows `generate` has finished are fed the pad token and their tokens are thrown away: they stop at the first
+        # exit, so that they never hold their batch in deeper layers.
+        pad = self.config.pad_token_id
+        finished = (
+            input_ids[:, 0] == pad if controller is not None and input_ids.shape[1] == 1 and pad is not None else None
+        )
         layer_outputs, exit_states, state = [(hidden_states, None, None)], [], None  # (states, attentions) per layer
         for count, idx in enumerate(layers, start=1):
             if self_cache is not None:  # earlier tokens' empty slots in this layer, before it reads them
@@ -1393,7 +1402,16 @@ class OFADecoder(nn.Module):
                 exit_states.append(self.layer_norm(exit_state()))
                 continue
             stop, state = self.exit_question(
-                exit_settings, count, len(layers), past, hidden_states, previous, exits, query_mask, exit_state
+                exit_settings,
+                count,
+                len(layers),
+                past,
+                hidden_states,
+                previous,
+                exits,
+                query_mask,
+                exit_state,
+                finished,
             )
             hidden_states, self_absolute, buckets, cross_bias, query_mask = exits.stop(
                 count, stop, {"exit_state": exit_state}, {"output": hidden_states},

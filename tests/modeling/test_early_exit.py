@@ -417,7 +417,7 @@ def test_auto_follows_the_measured_layer_costs(model):
     assert key[:2] == (4, 1)
     runs = {}
     for name, table in (
-        ("pays", LayerCosts(rows=(1, 4), kept=(1.0, 10.0), compacted=(1.0, 10.0), gather=0.0)),
+        ("pays", LayerCosts(rows=(1, 4), kept=(1.0, 10.0), compacted=(1.0, 2.0), gather=0.0)),
         ("never", LayerCosts(rows=(1, 4), kept=(1.0, 1.0), compacted=(5.0, 5.0), gather=1.0)),
     ):
         model.decoder.measured_layer_costs[key] = table
@@ -427,6 +427,24 @@ def test_auto_follows_the_measured_layer_costs(model):
     assert [sum(step) for step in calls] == out.exit_layers.sum(dim=0).tolist()
     out, calls, _ = runs["never"]
     assert calls == [[4] * depth for depth in out.exit_layers.max(dim=0).values.tolist()]
+
+
+def test_rows_generate_has_finished_stop_at_the_first_exit(model):
+    """`generate` feeds a finished row the pad token and drops its token: it must not keep its batch running."""
+    inputs = batch_of(4)
+    pad = model.config.pad_token_id
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(**inputs)
+        tokens = torch.tensor([[5], [pad], [7], [9]])
+        for row_exit in ("keep", "compact"):
+            settings = EarlyExitSettings(decoder=NeverExit(), row_exit=row_exit, min_exit_layer=2)
+            out = model.decoder(tokens, encoder_outputs, exit_settings=settings)
+            assert out.exit_layers.tolist() == [DEPTH, 2, DEPTH, DEPTH]
+        # Without a controller nothing exits, pad or not; with a prompt of several tokens, pads are not finished rows.
+        assert model.decoder(tokens, encoder_outputs).exit_layers.tolist() == [DEPTH] * 4
+        prompt = torch.tensor([[0, pad], [0, 5], [0, 6], [0, 7]])
+        out = model.decoder(prompt, encoder_outputs, exit_settings=EarlyExitSettings(decoder=NeverExit()))
+        assert out.exit_layers.tolist() == [DEPTH] * 4
 
 
 def test_min_exit_layer_holds_back_exits(model):

@@ -81,7 +81,7 @@ def costs(kept: float, compacted: float, gather: float = 0.0) -> LayerCosts:
 def test_auto_compacts_only_where_the_measured_costs_say_it_pays():
     assert costs(kept=10.0, compacted=5.0).compact_pays(running=4, going_on=2)
     assert not costs(kept=10.0, compacted=5.0, gather=3.0).compact_pays(running=4, going_on=2)  # within one layer
-    assert not costs(kept=10.0, compacted=8.0).compact_pays(running=4, going_on=2)  # within the margin
+    assert not costs(kept=10.0, compacted=7.0).compact_pays(running=4, going_on=2)  # within the margin
     for pays, running in ((costs(kept=10.0, compacted=1.0), [2, 3]), (costs(kept=1.0, compacted=10.0), [0, 1, 2, 3])):
         exits = RowExits(batch_size=4, depth=4, device=CPU, plan=AutoPlan(lambda pays=pays: pays))
         hidden = states(4, 1.0)
