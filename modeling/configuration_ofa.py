@@ -174,6 +174,9 @@ class OFAEarlyExitConfig(PreTrainedConfig):
             rule; needs a plan that keeps rows).
         batch_stop_fraction: the decoder's batch stops once at least this fraction of its rows is ready, the others
             stopping with them (1.0: only when every row is ready; lower trades quality for time).
+        exit_mode: "exit" (each token comes from its exit layer: lossy, the fastest) or "speculative" (lossless:
+            the exits draft `num_assistant_tokens` tokens, then one pass runs only the layers the drafts skipped and
+            keeps the longest prefix the full model agrees with; the output is the full model's).
 
     Exit heads (trained modules that map a decoder layer's output to the input of the shared final LayerNorm and
     output projection; with neither field set, every layer uses the shared head directly, as MuE does):
@@ -244,6 +247,7 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     row_exit: str = "auto"
     exit_token_layer: str = "own"
     batch_stop_fraction: float = 1.0
+    exit_mode: str = "exit"
     exit_adapter_dim: int | None = None
     exit_transformer_layers: list[int] | None = None
 

@@ -218,6 +218,13 @@ class EarlyExitCache(DynamicCache):
         slots = torch.where(valid, order, -1)
         return rows, self.pending[rows[:, None], order], slots
 
+    def wait(self, slots: slice, hidden_states: torch.Tensor) -> None:
+        """recompute: the tokens at `slots` (just opened) wait for the first layer, with input `hidden_states`
+        [batch, q, d]: the next catch-ups run every layer on them."""
+        self.frontier[:, slots] = 0
+        self.pending[:, slots] = hidden_states.to(self.pending.dtype)
+        self.waiting_layers.add(0)
+
     def advance(self, layer_idx: int, rows: torch.Tensor, slots: torch.Tensor, hidden_states: torch.Tensor) -> None:
         """recompute: layer `layer_idx` ran on the waiting tokens; they now wait for the next layer."""
         valid = slots >= 0

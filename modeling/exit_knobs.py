@@ -16,6 +16,7 @@ KVStrategy = Literal["propagate", "copy", "recompute"]
 ExitPart = Literal["decoder", "encoder", "encoder_image", "encoder_text"]
 RowExitPlan = Literal["auto", "keep", "compact"]
 ExitTokenLayer = Literal["own", "batch"]
+ExitMode = Literal["exit", "speculative"]
 
 POLICY_NAMES: tuple[str, ...] = get_args(ExitPolicy)
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ThresholdScheduleName)
@@ -23,6 +24,7 @@ KV_STRATEGIES: tuple[str, ...] = get_args(KVStrategy)
 EXIT_PARTS: tuple[str, ...] = get_args(ExitPart)
 ROW_EXIT_PLANS: tuple[str, ...] = get_args(RowExitPlan)
 EXIT_TOKEN_LAYERS: tuple[str, ...] = get_args(ExitTokenLayer)
+EXIT_MODES: tuple[str, ...] = get_args(ExitMode)
 # Parts of the encoder a controller can be given for: the joint encoder, or each stream of a decomposed one.
 ENCODER_PARTS: tuple[str, ...] = EXIT_PARTS[1:]
 
@@ -41,6 +43,7 @@ EXIT_KNOBS: dict[str, Any] = {
     "row_exit": "auto",
     "exit_token_layer": "own",
     "batch_stop_fraction": 1.0,
+    "exit_mode": "exit",
 }
 # Every knob at its default, i.e. no part exits: passed on top of saved defaults, it asks for the full model.
 NO_EXIT: dict[str, Any] = dict(EXIT_KNOBS)
@@ -52,6 +55,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kv_strategy": KV_STRATEGIES,
     "row_exit": ROW_EXIT_PLANS,
     "exit_token_layer": EXIT_TOKEN_LAYERS,
+    "exit_mode": EXIT_MODES,
 }
 # Layer knobs: knob -> the config field that bounds it.
 LAYER_BOUNDS: dict[str, str] = {"min_exit_layer": "decoder_layers", "encoder_min_exit_layer": "encoder_layers"}
@@ -143,8 +147,10 @@ __all__ = [
     "CHOICES",
     "ENCODER_PARTS",
     "EXIT_KNOBS",
+    "EXIT_MODES",
     "EXIT_PARTS",
     "EXIT_TOKEN_LAYERS",
+    "ExitMode",
     "ExitTokenLayer",
     "ExitPart",
     "ExitPolicy",

@@ -8,6 +8,7 @@ during the call. The layers each part ran come back in the model's outputs (`exi
 `exit_layers` / `encoder_exit_layers` with `return_dict_in_generate=True`.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from .exit_knobs import (
     ENCODER_PARTS,
     EXIT_KNOBS,
     EXIT_PARTS,
+    ExitMode,
     ExitTokenLayer,
     KVStrategy,
     RowExitPlan,
@@ -31,6 +33,7 @@ from .exit_knobs import (
     resolve_knobs,
 )
 from .row_exits import AutoPlan, CompactPlan, KeepPlan, LayerCosts, RowExits
+from .speculative import speculative_generate
 
 
 @dataclass
@@ -38,7 +41,8 @@ class EarlyExitSettings:
     """The resolved exit plan of one call: a controller per part (None: that part runs in full), the KV strategy
     for skipped decoder layers, the first decoder and encoder layers allowed to exit, the decoding length the
     threshold schedules decay over, and what ready rows do at batch > 1 (`row_exit`, and the decoder's batch-level
-    rules `exit_token_layer` and `batch_stop_fraction`)."""
+    rules `exit_token_layer` and `batch_stop_fraction`), and the `exit_mode`: lossy exits, or exits that draft for
+    the full model (`speculative`)."""
 
     decoder: ExitController | None = None
     encoder: ExitController | None = None
@@ -51,6 +55,7 @@ class EarlyExitSettings:
     row_exit: RowExitPlan = "auto"
     exit_token_layer: ExitTokenLayer = "own"
     batch_stop_fraction: float = 1.0
+    exit_mode: ExitMode = "exit"
 
     @classmethod
     def from_knobs(
@@ -80,7 +85,7 @@ class EarlyExitSettings:
             if not callable(controller):
                 raise ValueError(f"`exit_controller` for {part!r} must be callable, got {type(controller).__name__}.")
         check_encoder_parts(set(controllers), config)
-        return cls(
+        settings = cls(
             **controllers,
             kv_strategy=value["kv_strategy"],
             min_exit_layer=value["min_exit_layer"],
@@ -89,6 +94,49 @@ class EarlyExitSettings:
             row_exit=value["row_exit"],
             exit_token_layer=value["exit_token_layer"],
             batch_stop_fraction=value["batch_stop_fraction"],
+            exit_mode=value["exit_mode"],
+        )
+        return settings.drafting(knobs) if settings.exit_mode == "speculative" else settings
+
+    def drafting(self, given: dict[str, Any]) -> "EarlyExitSettings":
+        """The settings of speculative mode, whose output is the full model's: the encoder runs in full (its exits
+        would change what the decoder reads), the cache keeps exact K/V (`recompute`: the verification runs only the
+        layers the drafts skipped and keeps them), and a drafting row leaves the layers after its exit (`compact`:
+        kept running, it would first run the layers its earlier drafts skipped, one token at a time). Saved defaults
+        that say otherwise are set aside; knobs `given` in this call that say otherwise are a ValueError, since they
+        would be ignored."""
+        if self.decoder is None:
+            raise ValueError(
+                '`exit_mode="speculative"` drafts with the decoder\'s exits: set `exit_threshold` or an '
+                "`exit_controller` for the decoder."
+            )
+        encoder = [f"{part}_exit_threshold" for part in ENCODER_PARTS if given.get(f"{part}_exit_threshold") is not None]
+        custom = given.get("exit_controller")
+        encoder += sorted(set(custom) - {"decoder"}) if isinstance(custom, dict) else []
+        if encoder:
+            raise ValueError(
+                f'`exit_mode="speculative"` runs the encoder in full, so that the output is the full model\'s: '
+                f"drop {encoder}."
+            )
+        if given.get("kv_strategy", "recompute") != "recompute":
+            raise ValueError(
+                '`exit_mode="speculative"` keeps exact K/V (`kv_strategy="recompute"`: the verification runs only the '
+                f"layers the drafts skipped); got `kv_strategy={given['kv_strategy']!r}`."
+            )
+        kept = sorted(name for name, keeps in (("row_exit", "keep"), ("exit_token_layer", "batch")) if given.get(name) == keeps)
+        if kept:
+            raise ValueError(
+                f'`exit_mode="speculative"` takes each drafting row out of the layers after its exit (`row_exit='
+                f'"compact"`), so that no draft runs a layer its round\'s earlier drafts skipped: drop {kept}.'
+            )
+        return dataclasses.replace(
+            self,
+            encoder=None,
+            encoder_image=None,
+            encoder_text=None,
+            kv_strategy="recompute",
+            row_exit="compact",
+            exit_token_layer="own",
         )
 
     @property
@@ -146,12 +194,17 @@ def new_cache(config: PreTrainedConfig, settings: EarlyExitSettings | None) -> E
 class EarlyExitGenerateOutput(GenerateEncoderDecoderOutput):
     """`generate` output (greedy / sampling) with the layers each token used.
 
-    exit_layers: [rows, new_tokens], decoder layers run for each generated token.
+    exit_layers: [rows, new_tokens], decoder layers run for each generated token (speculative mode: the draft's
+        layer for an accepted draft, the full depth for the full model's own tokens).
     encoder_exit_layers: [rows, 2], encoder layers run for (image, text); both equal for a joint encoder.
+    drafted_tokens / accepted_tokens: [rows], speculative mode only: the tokens each row drafted, and how many of
+        them the full model accepted.
     """
 
     exit_layers: torch.LongTensor | None = None
     encoder_exit_layers: torch.LongTensor | None = None
+    drafted_tokens: torch.LongTensor | None = None
+    accepted_tokens: torch.LongTensor | None = None
 
 
 @dataclass
@@ -172,10 +225,11 @@ class EarlyExitGenerationMixin(GenerationMixin):
         settings = kwargs.pop("exit_settings", None)
         if settings is not None and knobs:
             raise ValueError(f"Pass either `exit_settings` or the knobs {sorted(knobs)}, not both.")
+        source = generation_config if generation_config is not None else self.generation_config
         if settings is None:
-            source = generation_config if generation_config is not None else self.generation_config
             max_steps = kwargs.get("max_new_tokens") or source.max_new_tokens or source.max_length - 1
             settings = EarlyExitSettings.from_knobs(self.config, source, max_steps=max_steps, **knobs)
+        check_decoding(settings, source, kwargs)
         settings.reset_controllers()
         if settings.exits and kwargs.get("use_cache") is False:
             raise ValueError("Early exit in `generate` needs `use_cache=True` (skipped layers live in the cache).")
@@ -191,6 +245,9 @@ class EarlyExitGenerationMixin(GenerationMixin):
         encoder_exit_layers = (
             None if encoder is None else encoder.repeat_interleave(output.sequences.shape[0] // encoder.shape[0], 0)
         )
+        if isinstance(output, EarlyExitGenerateOutput) and output.exit_layers is not None:  # speculative
+            output.encoder_exit_layers = encoder_exit_layers
+            return output
         output_class = (
             EarlyExitBeamGenerateOutput
             if isinstance(output, GenerateBeamEncoderDecoderOutput)
@@ -198,6 +255,28 @@ class EarlyExitGenerationMixin(GenerationMixin):
         )
         exit_layers = generated_exit_layers(log.decoder_steps, output)
         return output_class(**output, exit_layers=exit_layers, encoder_exit_layers=encoder_exit_layers)
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):  # fmt: skip
+        settings = model_kwargs.get("exit_settings")
+        if settings is None or settings.exit_mode != "speculative":
+            return super()._sample(
+                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
+            )
+        result = speculative_generate(
+            self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
+        )
+        if not generation_config.return_dict_in_generate:
+            return result.sequences
+        return EarlyExitGenerateOutput(
+            sequences=result.sequences,
+            scores=result.scores,
+            logits=result.logits,
+            past_key_values=model_kwargs["past_key_values"],
+            exit_layers=result.exit_layers,
+            drafted_tokens=result.drafted,
+            accepted_tokens=result.accepted,
+        )
 
     def _validate_model_kwargs(self, model_kwargs: dict[str, Any]):
         # `exit_layer_log` is `generate`'s own record, never a model input.
@@ -236,6 +315,29 @@ class EarlyExitGenerationMixin(GenerationMixin):
         super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
+
+
+ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def check_decoding(settings: EarlyExitSettings, generation_config: GenerationConfig, kwargs: dict[str, Any]) -> None:
+    """Decoding methods that exits would silently change, refused with a ValueError that names the knob: assisted
+    decoding verifies several tokens in one pass under one exit decision per row, so lossy exits change its output;
+    speculative mode is its own assisted decoding, greedy or sampling."""
+    assisted = sorted(name for name in ASSISTED if kwargs.get(name, getattr(generation_config, name, None)))
+    speculative = settings.exit_mode == "speculative"
+    if assisted and speculative:
+        raise ValueError(f'`exit_mode="speculative"` drafts with the model\'s own exits: drop {assisted}.')
+    if assisted and settings.exits:
+        raise ValueError(
+            f"{assisted} verify several tokens in one pass, which lossy exits would change: use "
+            '`exit_mode="speculative"` (lossless), or no exits.'
+        )
+    if speculative and (kwargs.get("num_beams") or generation_config.num_beams or 1) > 1:
+        raise ValueError('`exit_mode="speculative"` decodes greedily or by sampling: set `num_beams=1`.')
+    asked = [name for name in ("output_attentions", "output_hidden_states") if kwargs.get(name)]
+    if speculative and (asked or kwargs.get("synced_gpus")):
+        raise ValueError(f'`exit_mode="speculative"` does not support {asked or ["synced_gpus"]}.')
 
 
 def generated_exit_layers(decoder_steps: list[torch.Tensor], output: GenerateEncoderDecoderOutput) -> torch.LongTensor:

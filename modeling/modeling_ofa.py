@@ -864,6 +864,28 @@ class OFADecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
 
 
 @dataclass
+class SlotBiases:
+    """`OFADecoder.attention_biases` of queries at every slot from `first` on, [batch, ...]: a verification runs each
+    layer on some of the same slots, and picks their biases here."""
+
+    first: int
+    self_absolute: torch.Tensor  # [batch, heads, Q, T]
+    buckets: torch.Tensor  # [batch, Q, T]
+    cross_bias: torch.Tensor  # [batch, heads, Q, S]
+
+    def select(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The biases of the queries at `slots` [R, P] (-1 = padding) of `rows` [R]."""
+        local = (slots - self.first).clamp(min=0)
+        heads, length, source = self.self_absolute.shape[1], self.self_absolute.shape[-1], self.cross_bias.shape[-1]
+        by_query = local[:, None, :, None]
+        return (
+            self.self_absolute[rows].gather(2, by_query.expand(-1, heads, -1, length)),
+            self.buckets[rows].gather(1, local[:, :, None].expand(-1, -1, length)),
+            self.cross_bias[rows].gather(2, by_query.expand(-1, heads, -1, source)),
+        )
+
+
+@dataclass
 class DecoderStepBiases:
     """The position terms of one decoder step's queries.
 
@@ -1182,21 +1204,26 @@ class OFADecoder(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         encoder_outputs: OFAEncoderOutput,
+        slot_biases: "SlotBiases | None" = None,
     ) -> None:
         """`kv_strategy="recompute"`: before this step's tokens of `rows` run layer `layer_idx`, run it on their
-        earlier tokens that exited below it, so that its keys and values are complete (DEED)."""
+        earlier tokens that exited below it, so that its keys and values are complete (DEED). The waiting tokens'
+        biases are computed here, or picked from `slot_biases`."""
         waiting = past_key_values.self_attention_cache.pending_inputs(layer_idx, rows)
         if waiting is None:
             return
         rows, hidden_states, slots = waiting  # [R], [R, P, d], [R, P] (-1 = padding)
-        self_absolute, buckets, cross_bias = self.attention_biases(
-            select_rows(positions, rows),
-            select_rows(position_ids, rows),
-            slots.clamp(min=0),
-            select_rows(attention_mask, rows),
-            encoder_outputs,
-            rows,
-        )
+        if slot_biases is not None:
+            self_absolute, buckets, cross_bias = slot_biases.select(rows, slots)
+        else:
+            self_absolute, buckets, cross_bias = self.attention_biases(
+                select_rows(positions, rows),
+                select_rows(position_ids, rows),
+                slots.clamp(min=0),
+                select_rows(attention_mask, rows),
+                encoder_outputs,
+                rows,
+            )
         hidden_states, _, _ = self.layers[layer_idx](
             hidden_states,
             self.layer_self_bias(layer_idx, self_absolute, buckets),
@@ -1207,6 +1234,40 @@ class OFADecoder(nn.Module):
             slots,
         )
         past_key_values.self_attention_cache.advance(layer_idx, rows, slots, hidden_states)
+
+    def verify(
+        self,
+        input_ids: torch.LongTensor | None,
+        encoder_outputs: OFAEncoderOutput,
+        attention_mask: torch.Tensor | None,
+        past_key_values: EncoderDecoderCache,
+        position_ids: torch.LongTensor | None = None,
+    ) -> None:
+        """`kv_strategy="recompute"`: append `input_ids` [batch, q] to the cache as tokens waiting for the first layer,
+        then run each layer once on every token waiting for it (the layers earlier tokens skipped, and all of the new
+        ones'), so that every slot holds the K/V of a full-depth pass. The final-layer output of each token that ran
+        here waits in the cache (`pending`): speculative decoding reads the full model's distributions there. With
+        `input_ids` None, only the cache's waiting tokens run."""
+        self_cache = past_key_values.self_attention_cache
+        device = encoder_outputs.last_hidden_state.device
+        if input_ids is not None:
+            hidden_states = self.dropout(self.layernorm_embedding(self.embed_tokens(input_ids) * self.embed_scale))
+            self_cache.wait(self_cache.open_slots(hidden_states, self.num_heads), hidden_states)
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask, self_cache.get_seq_length(), device)
+        positions = self.pos_ln(self.embed_positions(position_ids))
+        batch, length = encoder_outputs.last_hidden_state.shape[0], self_cache.get_seq_length()
+        # Every layer runs on some of the slots from the first waiting one on: their biases, computed once.
+        first = int((self_cache.frontier < len(self.layers)).any(dim=0).long().argmax())
+        biases = self.attention_biases(
+            positions, position_ids, torch.arange(first, length, device=device)[None], attention_mask, encoder_outputs
+        )
+        slot_biases = SlotBiases(first, *(bias.expand(batch, *bias.shape[1:]) for bias in biases))
+        rows = torch.arange(batch, device=device)
+        for layer_idx in range(len(self.layers)):
+            self.catch_up(
+                layer_idx, rows, past_key_values, positions, position_ids, attention_mask, encoder_outputs, slot_biases
+            )
 
     def complete_layer(
         self,
@@ -1267,14 +1328,19 @@ class OFADecoder(nn.Module):
         attention_mask: torch.Tensor | None,
         encoder_outputs: OFAEncoderOutput,
         self_cache: EarlyExitCache | None,
+        position_ids: torch.Tensor | None = None,
     ) -> DecoderStepBiases:
         """The position terms of this step's queries; sliced from the `position_table` when rows have no decoder mask
-        (positions 0, 1, ...) and no gradient is needed."""
+        or position ids (positions 0, 1, ...) and no gradient is needed."""
         length = past + input_ids.shape[1]
-        position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, past + q]
         sliced = (
-            attention_mask is None and not torch.is_grad_enabled() and length <= self.embed_positions.num_embeddings
+            attention_mask is None
+            and position_ids is None
+            and not torch.is_grad_enabled()
+            and length <= self.embed_positions.num_embeddings
         )
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, past + q]
         positions = None  # LayerNorm'd position embeddings: read by the unsliced biases and `recompute`'s catch-up
         if not sliced or (self_cache is not None and self_cache.kv_strategy == "recompute"):
             positions = self.pos_ln(self.embed_positions(position_ids))
@@ -1337,10 +1403,13 @@ class OFADecoder(nn.Module):
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         output_exit_hidden_states: bool = False,
+        position_ids: torch.LongTensor | None = None,
     ) -> "OFADecoderOutput":
         """Decode `input_ids` [batch, q], the newest q tokens after the `past_key_values` prefix.
 
         `attention_mask` (optional, [batch, past + q]) marks decoder pads; without it every token is attended.
+        `position_ids` (optional, [batch, past + q]) are the tokens' positions where they are not their slots (a
+        speculative batch's rows skip the slots of their rejected drafts); by default OFA's, from the mask.
         With `exit_settings.decoder`, each row stops after the layer its controller picks (all q tokens of a row
         together); `RowExits` takes it out of the layers after, and its output is its exit head's. The cache then
         fills the skipped layers by `exit_settings.kv_strategy`. `exit_layers` in the output counts each row's layers.
@@ -1356,7 +1425,7 @@ class OFADecoder(nn.Module):
 
         hidden_states = self.embed_tokens(input_ids) * self.embed_scale
         hidden_states = self.dropout(self.layernorm_embedding(hidden_states))  # [batch, q, d]
-        step = self.step_biases(past, input_ids, attention_mask, encoder_outputs, self_cache)
+        step = self.step_biases(past, input_ids, attention_mask, encoder_outputs, self_cache, position_ids)
         slots = self_cache.open_slots(hidden_states, self.num_heads) if self_cache is not None else None
         if self_cache is not None and not torch.is_grad_enabled() and not any(past_key_values.is_updated.values()):
             self.cache_cross_key_values(encoder_outputs.last_hidden_state, past_key_values)

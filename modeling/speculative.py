@@ -1,0 +1,451 @@
+"""Lossless early exit, `exit_mode="speculative"`: the exits draft, the layers they skipped verify.
+
+Each round, every unfinished row drafts up to k tokens (`num_assistant_tokens`) with the decoder's exits, one
+decoding step per token, through an `EarlyExitCache` with `kv_strategy="recompute"`: a draft's K/V are exact in the
+layers it ran, and a later draft that goes deeper first runs the layers it needs on the earlier ones (DEED's
+catch-up). The verification is one more step, at full depth: it feeds the last draft and, layer by layer, first runs
+every waiting draft through the layers it skipped. Afterwards every slot holds the K/V of a full-depth pass, and the
+cache's waiting states hold each draft's final-layer output; the final head on them gives the full model's
+distribution after each drafted prefix (a draft that ran every layer had it already). Nothing runs twice.
+
+Acceptance is Leviathan et al.'s: greedy keeps the longest run of drafts equal to the full model's argmax, then adds
+the full model's own token; sampling accepts a draft x with probability min(1, p(x) / q(x)) and on the first rejection
+samples from normalise(max(0, p - q)). p and q are the distributions after the call's logits processors, each on its
+row's own prefix, so the output is the full model's: token for token when greedy, in distribution when sampling.
+
+Rows advance independently. A round opens k + 1 slots in every row; the slots of a row's rejected drafts become holes,
+masked in the decoder's attention mask and skipped by its position ids (which count each row's real tokens). Holes
+that every row has at the end are cropped, so at batch 1 nothing of a rejected draft remains.
+"""
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .exit_controllers import ExitController, ExitState, checked_decision
+
+DEFAULT_DRAFT_TOKENS = 4  # when the generation config leaves `num_assistant_tokens` unset
+
+
+@dataclass
+class Draft:
+    """One drafting step of a round, per row: the drafted token, its raw logits and processed scores (q), and the
+    layer it came from."""
+
+    tokens: torch.Tensor  # [batch]
+    logits: torch.Tensor  # [batch, vocab]
+    scores: torch.Tensor  # [batch, vocab]
+    exit_layers: torch.Tensor  # [batch]
+
+
+class RowTokens:
+    """Each row's decoder tokens so far, left-aligned in one buffer with room for a round's drafts, and its length.
+    A row's drafts are written after its tokens, so that its prefixes are slices of the buffer."""
+
+    def __init__(self, input_ids: torch.Tensor, capacity: int, pad_token_id: int):
+        batch, length = input_ids.shape
+        self.pad_token_id = pad_token_id
+        self.buffer = input_ids.new_full((batch, max(capacity, length)), pad_token_id)
+        self.buffer[:, :length] = input_ids
+        self.lengths = [length] * batch
+        self.start = length
+
+    def grow(self, needed: int) -> None:
+        if needed > self.buffer.shape[1]:
+            self.buffer = F.pad(self.buffer, (0, needed - self.buffer.shape[1]), value=self.pad_token_id)
+
+    def write(self, rows: list[int], offset: int, tokens: torch.Tensor) -> None:
+        """Token `tokens[row]` at each row's length + `offset`."""
+        self.grow(max(self.lengths) + offset + 1)
+        index = torch.tensor(rows, device=self.buffer.device)
+        columns = torch.tensor([self.lengths[row] + offset for row in rows], device=self.buffer.device)
+        self.buffer[index, columns] = tokens[index]
+
+    def by_length(self, rows: list[int], offset: int = 0) -> dict[int, list[int]]:
+        """`rows` grouped by their length + `offset`: the rows whose prefixes fit one tensor."""
+        groups: dict[int, list[int]] = defaultdict(list)
+        for row in rows:
+            groups[self.lengths[row] + offset].append(row)
+        return groups
+
+    def new_tokens(self, pad_token_id: int) -> torch.Tensor:
+        """[batch, start + longest]: the decoder's input tokens then each row's new ones, padded."""
+        longest = max(self.lengths)
+        sequences = self.buffer[:, :longest].clone()
+        for row, length in enumerate(self.lengths):
+            sequences[row, length:] = pad_token_id
+        return sequences
+
+
+def processed(processors: Callable, tokens: RowTokens, rows: list[int], offset: int, logits: torch.Tensor):
+    """The logits processors applied to the `rows` of `logits` [batch, vocab], each on its own prefix (its tokens and
+    `offset` drafts); the other rows keep their logits. Rows of one length go together."""
+    if not processors:
+        return logits
+    scores = logits.clone()
+    batch = logits.shape[0]
+    for length, group in tokens.by_length(rows, offset).items():
+        index = slice(None) if len(group) == batch else torch.tensor(group, device=logits.device)
+        prefixes, group_scores = tokens.buffer[index, :length], scores[index]
+        for processor in processors:  # `LogitsProcessorList.__call__` minus its signature check per call
+            group_scores = processor(prefixes, group_scores)
+        scores[index] = group_scores
+    return scores
+
+
+class SlotMask:
+    """The decoder's attention mask over the cache's slots and the position ids of a batch with holes; None for both
+    while no row has a hole (then positions are the slots)."""
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None  # [batch, slots]
+
+    def covering(self, slots: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(attention mask, position ids) [batch, slots] over the first `slots` slots, the ones after the last round
+        real."""
+        if self.mask is None:
+            return None, None
+        mask = F.pad(self.mask, (0, slots - self.mask.shape[1]), value=1)
+        return mask, (mask.cumsum(dim=-1) - 1).clamp(min=0)
+
+    def close_round(self, slots: int, real: torch.Tensor, start: int) -> int:
+        """After a round whose slots start at `start` (of `slots`), the first `real[row]` of them real and the rest
+        holes: returns how many trailing slots are holes in every row, to crop."""
+        keep = int(real.max())
+        opened = slots - start
+        if self.mask is None and bool((real == keep).all()):
+            return opened - keep
+        if self.mask is None:
+            self.mask = torch.ones(real.shape[0], start, dtype=torch.long, device=real.device)
+        mask = F.pad(self.mask, (0, start - self.mask.shape[1]), value=1)
+        new = (torch.arange(keep, device=real.device)[None] < real[:, None]).long()
+        self.mask = torch.cat([mask, new], dim=1)
+        return opened - keep
+
+
+class CappedDraft(ExitController):
+    """A draft's controller, with each row also stopped once it reaches its cap: the shallowest exit of its round's
+    earlier drafts. A draft then never needs a layer that an earlier draft skipped (which would run that layer on
+    the earlier draft, one token at a time): the verification runs them all at once."""
+
+    def __init__(self, controller: ExitController, caps: torch.Tensor):
+        self.controller = controller
+        self.caps = caps  # [batch]
+        self.forced = torch.zeros_like(caps, dtype=torch.bool)  # rows it stopped at their cap against the controller
+
+    def __call__(self, state: ExitState) -> torch.BoolTensor:
+        ready = checked_decision(self.controller(state), state, self.controller)
+        capped = self.caps[state.rows] <= state.layer
+        self.forced[state.rows] = capped & ~ready
+        return ready | capped
+
+    def forced_rows(self) -> list[int]:
+        """The rows this step stopped at their cap although the controller was not ready there."""
+        return self.forced.nonzero()[:, 0].tolist()
+
+
+@dataclass
+class RoundResult:
+    """What a round gives each row: `tokens` [batch, K + 1] of which the first `accepted[row] + 1` are emitted, their
+    exit layers, the processed full-model scores and raw logits at each, and how many drafts it kept and accepted."""
+
+    tokens: torch.Tensor
+    exit_layers: torch.Tensor
+    scores: torch.Tensor
+    logits: torch.Tensor
+    accepted: torch.Tensor
+    drafted: torch.Tensor
+
+
+def accept_greedy(
+    drafts: torch.Tensor, p_scores: torch.Tensor, kept: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts [batch, K] of which each row keeps its first `kept` [batch], full-model scores [batch, K + 1, vocab]
+    -> (accepted drafts per row [batch], the token after them [batch]): the longest run of kept drafts equal to the
+    full model's argmax, then the full model's argmax."""
+    target = p_scores.argmax(dim=-1)
+    counted = torch.arange(drafts.shape[1], device=drafts.device)[None] < kept[:, None]
+    accepted = ((drafts == target[:, :-1]) & counted).long().cumprod(dim=-1).sum(dim=-1)
+    return accepted, target.gather(1, accepted[:, None])[:, 0]
+
+
+def accept_sampled(
+    drafts: torch.Tensor, q_scores: torch.Tensor, p_scores: torch.Tensor, kept: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling: drafts [batch, K] drawn from softmax(q_scores) [batch, K, vocab], each row keeping its
+    first `kept` [batch]; full-model scores [batch, K + 1, vocab]. A draft x is accepted with probability
+    min(1, p(x) / q(x)); at a row's first rejection its token is drawn from normalise(max(0, p - q)), after all its
+    drafts are accepted from the next p."""
+    p = p_scores.softmax(dim=-1)
+    rows = torch.arange(drafts.shape[0], device=drafts.device)
+    if drafts.shape[1] == 0:
+        return kept, torch.multinomial(p[:, 0], num_samples=1)[:, 0]
+    q = q_scores.softmax(dim=-1)
+    ratio = p[:, :-1].gather(-1, drafts[..., None])[..., 0] / q.gather(-1, drafts[..., None])[..., 0]
+    counted = torch.arange(drafts.shape[1], device=drafts.device)[None] < kept[:, None]
+    accepted = ((torch.rand_like(ratio) <= ratio) & counted).long().cumprod(dim=-1).sum(dim=-1)
+    at = accepted.clamp(max=drafts.shape[1] - 1)
+    residual = (p[rows, at] - q[rows, at]).clamp(min=0)
+    total = residual.sum(dim=-1, keepdim=True)
+    rejected = (accepted < kept)[:, None] & (total > 0)  # p == q leaves nothing to draw from: then p itself
+    target = torch.where(rejected, residual / total.clamp(min=torch.finfo(total.dtype).tiny), p[rows, accepted])
+    return accepted, torch.multinomial(target, num_samples=1)[:, 0]
+
+
+@dataclass
+class SpeculativeDecoding:
+    """One speculative `generate` call: the decoder, its cache and encoder outputs, the settings that draft (the
+    call's, with its decoder controller) and those that verify (the same, at full depth), and the call's logits
+    processors."""
+
+    decoder: torch.nn.Module
+    cache: object
+    encoder_outputs: object
+    drafting: object
+    processors: Callable
+    do_sample: bool
+    pad_token_id: int
+
+    @property
+    def depth(self) -> int:
+        return len(self.decoder.layers)
+
+    def draft(self, tokens: torch.Tensor, slots: SlotMask, controller: "CappedDraft") -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting step of every row on `tokens` [batch] under `controller`: (logits [batch, vocab], exit layers
+        [batch])."""
+        mask, positions = slots.covering(self.cache.get_seq_length() + 1)
+        settings = dataclasses.replace(self.drafting, decoder=controller)
+        out = self.decoder(tokens[:, None], self.encoder_outputs, mask, self.cache, settings, position_ids=positions)
+        logits = out.logits if out.logits is not None else self.decoder.output_projection(out.last_hidden_state)
+        return logits[:, -1].float(), out.exit_layers.clone()
+
+    def verify(self, tokens: torch.Tensor | None, slots: SlotMask) -> None:
+        """The verification of a round: every draft run through the layers it skipped, with `tokens` [batch] (the last
+        drafts) run through all of them; None when every row's last draft step was left unused."""
+        if tokens is None:
+            mask, positions = slots.covering(self.cache.get_seq_length())
+            self.decoder.verify(None, self.encoder_outputs, mask, self.cache, positions)
+            return
+        mask, positions = slots.covering(self.cache.get_seq_length() + 1)
+        self.decoder.verify(tokens[:, None], self.encoder_outputs, mask, self.cache, positions)
+
+    def pick(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.do_sample:
+            return torch.multinomial(scores.softmax(dim=-1), num_samples=1)[:, 0]
+        return scores.argmax(dim=-1)
+
+    def prefill(self, input_ids: torch.Tensor) -> None:
+        """A decoder prompt's tokens before its last, at full depth."""
+        self.decoder.verify(input_ids, self.encoder_outputs, None, self.cache)
+
+    def run_round(self, inputs: torch.Tensor, tokens: RowTokens, rows: list[int], k: int, slots: SlotMask):
+        """Draft up to k tokens for each of the `rows` still generating, from `inputs` [batch] (each row's newest
+        token, not yet in the cache; the pad token for the other rows, which then stop at the first exit), then
+        verify them: the full model's tokens after each row's accepted drafts.
+
+        A row stops drafting when its controller is not ready by its cap (the shallowest exit of its round so far):
+        that draft would be poor, and going deeper would first run the skipped layers on its earlier drafts one
+        token at a time. The verification gives the full model's token in its place."""
+        start = self.cache.get_seq_length()
+        tokens.grow(max(tokens.lengths) + k + 1)
+        drafting = list(rows)
+        going = torch.zeros_like(inputs, dtype=torch.bool)
+        going[rows] = True
+        drafts, kept, caps = [], torch.zeros_like(inputs), torch.full_like(inputs, self.depth)
+        for offset in range(k):
+            controller = CappedDraft(self.drafting.decoder, caps)
+            logits, exit_layers = self.draft(inputs, slots, controller)
+            forced = set(controller.forced_rows())
+            drafting = [row for row in drafting if row not in forced]
+            if not drafting:
+                break
+            going[list(forced)] = False
+            caps = torch.minimum(caps, exit_layers)
+            scores = processed(self.processors, tokens, drafting, offset, logits)
+            picked = self.pick(scores)
+            tokens.write(drafting, offset, picked)
+            drafts.append(Draft(picked, logits, scores, exit_layers))
+            kept += going.long()
+            inputs = torch.where(going, picked, self.pad_token_id)
+        self.verify(inputs if drafting else None, slots)
+        p_logits = self.verified_logits(drafts, start)
+        p_scores = torch.stack(
+            [processed(self.processors, tokens, rows, offset, p_logits[:, offset]) for offset in range(len(drafts) + 1)],
+            dim=1,
+        )
+        drafted = torch.stack([draft.tokens for draft in drafts], dim=1) if drafts else inputs[:, None][:, :0]
+        if self.do_sample:
+            q_scores = torch.stack([draft.scores for draft in drafts], dim=1) if drafts else p_scores[:, :0]
+            accepted, last = accept_sampled(drafted, q_scores, p_scores, kept)
+        else:
+            accepted, last = accept_greedy(drafted, p_scores, kept)
+        emitted = torch.cat([drafted, last[:, None]], dim=1)
+        emitted.scatter_(1, accepted[:, None], last[:, None])
+        layers = [draft.exit_layers for draft in drafts] + [torch.full_like(accepted, self.depth)]
+        exit_layers = torch.stack(layers, dim=1)
+        exit_layers.scatter_(1, accepted[:, None], self.depth)
+        return RoundResult(emitted, exit_layers, p_scores, p_logits, accepted, kept)
+
+    def verified_logits(self, drafts: list[Draft], start: int) -> torch.Tensor:
+        """The full model's logits [batch, k + 1, vocab] after each drafted prefix and after the last draft: the
+        final-layer outputs the verification left in the cache, but for the drafts that ran every layer, which
+        had them."""
+        waiting = self.cache.self_attention_cache.pending[:, start : start + len(drafts) + 1]
+        verified = self.decoder.exit_logits(waiting).float()  # [batch, k + 1, vocab]
+        if not drafts:
+            return verified
+        draft_logits = torch.stack([draft.logits for draft in drafts], dim=1)
+        ran_all = torch.stack([draft.exit_layers for draft in drafts], dim=1) >= self.depth
+        verified[:, :-1] = torch.where(ran_all[..., None], draft_logits, verified[:, :-1])
+        return verified
+
+
+@dataclass
+class SpeculativeOutput:
+    """What a speculative call returns: `sequences` [batch, T] (decoder input then new tokens, padded), per new token
+    its `exit_layers` [batch, new] (the draft's layer for an accepted draft, the depth for the full model's own
+    tokens; 0 past a row's end), per row the tokens `drafted` and `accepted` [batch], and with `output_scores` /
+    `output_logits` the full model's processed scores / raw logits per new token (tuples of [batch, vocab])."""
+
+    sequences: torch.Tensor
+    exit_layers: torch.Tensor
+    drafted: torch.Tensor
+    accepted: torch.Tensor
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
+
+
+class RoundLog:
+    """Per row, what the rounds emitted: exit layers, scores and logits per new token, drafted and accepted counts."""
+
+    def __init__(self, batch: int, keep_scores: bool, keep_logits: bool):
+        self.exit_layers: list[list[int]] = [[] for _ in range(batch)]
+        self.scores: list[list[torch.Tensor]] | None = [[] for _ in range(batch)] if keep_scores else None
+        self.logits: list[list[torch.Tensor]] | None = [[] for _ in range(batch)] if keep_logits else None
+        self.drafted = [0] * batch
+        self.accepted = [0] * batch
+
+    def add(self, row: int, result: RoundResult, index: int) -> None:
+        self.exit_layers[row].append(int(result.exit_layers[row, index]))
+        if self.scores is not None:
+            self.scores[row].append(result.scores[row, index])
+        if self.logits is not None:
+            self.logits[row].append(result.logits[row, index])
+
+    def output(self, sequences: torch.Tensor) -> SpeculativeOutput:
+        device = sequences.device
+        longest = max(len(layers) for layers in self.exit_layers)
+        exit_layers = torch.tensor([layers + [0] * (longest - len(layers)) for layers in self.exit_layers])
+        return SpeculativeOutput(
+            sequences,
+            exit_layers.to(device),
+            torch.tensor(self.drafted, device=device),
+            torch.tensor(self.accepted, device=device),
+            per_step(self.scores, longest),
+            per_step(self.logits, longest),
+        )
+
+
+def per_step(rows: list[list[torch.Tensor]] | None, steps: int) -> tuple[torch.Tensor, ...] | None:
+    """Per-row lists of [vocab] tensors as `generate`'s per-step tuple of [batch, vocab] (-inf past a row's end)."""
+    if rows is None:
+        return None
+    filler = next(tensor for row in rows for tensor in row)
+    return tuple(
+        torch.stack([row[step] if step < len(row) else torch.full_like(filler, -torch.inf) for row in rows])
+        for step in range(steps)
+    )
+
+
+def speculative_generate(
+    model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
+) -> SpeculativeOutput:
+    """`generate`'s greedy / sampling loop in speculative mode, on the decoder inputs `input_ids` [batch, T] (the
+    decoder start token, or a decoder prompt) and `generate`'s prepared model kwargs (encoder outputs, an
+    `EarlyExitCache` with `recompute`, the exit settings)."""
+    pad = int(generation_config._pad_token_tensor) if generation_config._pad_token_tensor is not None else 0
+    decoding = SpeculativeDecoding(
+        model.get_decoder(),
+        model_kwargs["past_key_values"],
+        model_kwargs["encoder_outputs"],
+        model_kwargs["exit_settings"],
+        logits_processor,
+        generation_config.do_sample,
+        pad,
+    )
+    draft_tokens = generation_config.num_assistant_tokens or DEFAULT_DRAFT_TOKENS
+    adaptive = generation_config.num_assistant_tokens_schedule in ("heuristic", "heuristic_transient")
+    batch, max_length = input_ids.shape[0], generation_config.max_length
+    tokens, slots = RowTokens(input_ids, max_length + draft_tokens + 1, pad), SlotMask()
+    log = RoundLog(batch, generation_config.output_scores, generation_config.output_logits)
+    if input_ids.shape[1] > 1:
+        decoding.prefill(input_ids[:, :-1])
+    generating, inputs = list(range(batch)), input_ids[:, -1]
+    while generating:
+        k = max(0, min(draft_tokens, max_length - min(tokens.lengths[row] for row in generating) - 1))
+        start = decoding.cache.get_seq_length()
+        result = decoding.run_round(inputs, tokens, generating, k, slots)
+        appended, still = commit_round(result, tokens, generating, log, stopping_criteria, streamer)
+        real = torch.tensor(appended, device=inputs.device)  # the inputs before the tokens each row appended
+        crop = slots.close_round(decoding.cache.get_seq_length(), real, start)
+        if crop:
+            decoding.cache.self_attention_cache.crop(-crop)
+        last = result.tokens.gather(1, result.accepted[:, None])[:, 0]
+        inputs = torch.full_like(inputs, pad)
+        inputs[still] = last[still]
+        if adaptive and k:
+            all_taken = all(int(result.accepted[row]) == k for row in generating)
+            draft_tokens = draft_tokens + 2 if all_taken else max(1, draft_tokens - 1)
+        generating = still
+    if streamer is not None:
+        streamer.end()
+    return log.output(tokens.new_tokens(pad))
+
+
+def commit_round(
+    result: RoundResult,
+    tokens: RowTokens,
+    rows: list[int],
+    log: RoundLog,
+    stopping_criteria,
+    streamer,
+) -> tuple[list[int], list[int]]:
+    """Append each row's emitted tokens one at a time, checking the stopping criteria after each on the row's own
+    sequence (so a row stops exactly where the full model's loop would); returns how many tokens each row appended
+    [batch] and the rows still generating."""
+    for row in rows:
+        log.drafted[row] += int(result.drafted[row])
+        count = int(result.accepted[row]) + 1
+        tokens.buffer[row, tokens.lengths[row] : tokens.lengths[row] + count] = result.tokens[row, :count]
+    going, appended = list(rows), [0] * len(tokens.lengths)
+    for index in range(result.tokens.shape[1]):
+        active = [row for row in going if index <= int(result.accepted[row])]
+        if not active:
+            break
+        for row in active:
+            tokens.lengths[row] += 1
+            appended[row] += 1
+            log.add(row, result, index)
+            log.accepted[row] += index < int(result.accepted[row])
+        if streamer is not None:
+            streamer.put(result.tokens[active, index : index + 1].cpu())
+        stopped = set()
+        for length, group in tokens.by_length(active).items():
+            done = stopping_criteria(tokens.buffer[group, :length], None)
+            stopped.update(row for row, stop in zip(group, done.tolist(), strict=True) if stop)
+        going = [row for row in going if row not in stopped]
+    return appended, going
+
+
+__all__ = [
+    "DEFAULT_DRAFT_TOKENS",
+    "SpeculativeDecoding",
+    "SpeculativeOutput",
+    "accept_greedy",
+    "accept_sampled",
+    "speculative_generate",
+]

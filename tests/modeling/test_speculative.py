@@ -1,0 +1,257 @@
+"""Speculative mode (`exit_mode="speculative"`): the exits draft, the skipped layers verify, and the output is the
+full model's: token for token when greedy, in distribution when sampling, at any batch size."""
+
+import pytest
+import torch
+from transformers import AutoModel, AutoProcessor
+from transformers.generation.streamers import BaseStreamer
+
+from hf_earlyexit.loading import EMBEDDED_MODEL_DIR
+from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, FixedLayerExit, SimilarityExit
+from hf_earlyexit.modeling.exit_knobs import NO_EXIT
+from hf_earlyexit.tasks import get_task
+from tests.helpers import tiny_inputs, tiny_model
+
+DEPTH = 4
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(decoder_layers=DEPTH, encoder_layers=2)
+
+
+def mixed_lengths(batch: int, seed: int = 0) -> dict:
+    """`tiny_inputs` with each row right-padded to its own length."""
+    inputs = tiny_inputs(batch=batch, text_length=9, seed=seed, pad_last=0)
+    for row in range(batch):
+        pads = row % 4
+        if pads:
+            inputs["input_ids"][row, -pads - 1] = 2
+            inputs["input_ids"][row, -pads:] = 1
+            inputs["attention_mask"][row, -pads:] = 0
+    return inputs
+
+
+CONTROLLERS = {
+    "fixed": lambda: FixedLayerExit(lambda state: (state.rows + state.step) % DEPTH + 1),
+    "similarity": lambda: SimilarityExit(0.5),
+    "confidence": lambda: ConfidenceExit(0.2),
+}
+
+
+def full_greedy(model, inputs, **kwargs):
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, **NO_EXIT, **kwargs)
+
+
+def speculative(model, inputs, controller, **kwargs):
+    with torch.no_grad():
+        return model.generate(
+            **inputs,
+            max_new_tokens=NEW_TOKENS,
+            exit_mode="speculative",
+            exit_controller=controller,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+
+
+@pytest.mark.parametrize("batch", [1, 4, 8])
+@pytest.mark.parametrize("policy", sorted(CONTROLLERS))
+def test_greedy_speculative_gives_the_full_models_tokens(model, batch, policy):
+    inputs = mixed_lengths(batch, seed=batch)
+    expected = full_greedy(model, inputs)
+    for draft_tokens in (1, 2, 4, 8):
+        out = speculative(model, inputs, CONTROLLERS[policy](), do_sample=False, num_assistant_tokens=draft_tokens)
+        assert torch.equal(out.sequences, expected), (policy, draft_tokens)
+        assert bool((out.accepted_tokens <= out.drafted_tokens).all())
+
+
+def test_rows_that_finish_early_stop_where_the_full_model_does(model):
+    inputs = mixed_lengths(8, seed=3)
+    common = full_greedy(model, inputs)[:, 3].mode().values.item()  # a token several rows emit: their end
+    expected = full_greedy(model, inputs, eos_token_id=common)
+    assert len({int((row == common).nonzero()[0]) if (row == common).any() else -1 for row in expected}) > 1
+    out = speculative(model, inputs, CONTROLLERS["fixed"](), num_assistant_tokens=4, eos_token_id=common)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_the_cache_holds_the_full_models_keys_and_values_of_the_accepted_tokens(model):
+    inputs = mixed_lengths(1, seed=5)
+    out = speculative(model, inputs, CONTROLLERS["fixed"](), num_assistant_tokens=3)
+    assert 0 < int(out.accepted_tokens) < int(out.drafted_tokens)  # some drafts were rejected
+    with torch.no_grad():
+        reference = model(**inputs, decoder_input_ids=out.sequences[:, :-1], use_cache=True)
+    cache, expected = out.past_key_values.self_attention_cache, reference.past_key_values.self_attention_cache
+    assert cache.get_seq_length() == out.sequences.shape[1] - 1  # nothing of a rejected draft remains
+    assert bool((cache.frontier == DEPTH).all())
+    for ours, theirs in zip(cache.layers, expected.layers, strict=True):
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours.values, theirs.values, rtol=0, atol=1e-5)
+
+
+def test_exit_layers_and_acceptance_statistics(model):
+    inputs = mixed_lengths(4, seed=7)
+    out = speculative(model, inputs, FixedLayerExit(2), num_assistant_tokens=4)
+    new = out.sequences.shape[1] - 1
+    assert out.exit_layers.shape == (4, new)
+    generated = out.exit_layers > 0
+    # A token came from a draft (layer 2) or from the full model (every layer): the drafts are the accepted ones.
+    assert set(out.exit_layers[generated].unique().tolist()) <= {2, DEPTH}
+    assert torch.equal((out.exit_layers == 2).sum(dim=1), out.accepted_tokens)
+
+
+@pytest.mark.parametrize("warpers", [{}, {"temperature": 0.7, "top_k": 5}])
+def test_sampling_follows_the_full_models_distribution(warpers):
+    vocab = 10
+    model = tiny_model(decoder_layers=3, encoder_layers=1, vocab_size=vocab, seed=3)
+    inputs = {name: tensor[:1] for name, tensor in tiny_inputs(batch=1, pad_last=0).items()}
+    inputs["input_ids"] = inputs["input_ids"] % (vocab - 3) + 3
+    rows, calls = 5000, 4
+    batch = {name: tensor.expand(rows, *tensor.shape[1:]) for name, tensor in inputs.items()}
+    pairs = []
+    torch.manual_seed(0)
+    for _ in range(calls):
+        out = speculative(
+            model, batch, FixedLayerExit(1), do_sample=True, num_assistant_tokens=3, max_length=4, **warpers
+        )
+        pairs.append(out.sequences[:, 1:3])
+    assert int(out.accepted_tokens.sum()) > 0 and bool((out.accepted_tokens < out.drafted_tokens).any())
+    counts = torch.zeros(vocab, vocab)
+    for first, second in torch.cat(pairs).tolist():
+        counts[first, second] += 1
+    expected = full_pair_distribution(model, inputs, vocab, **warpers) * rows * calls
+    assert chi_square_p_value(counts, expected) > 0.01
+
+
+def full_pair_distribution(model, inputs, vocab: int, temperature: float = 1.0, top_k: int | None = None):
+    """P(first, second) of the full model's first two sampled tokens, [vocab, vocab] (after the end token, pad)."""
+
+    def warped(logits):
+        logits = logits / temperature
+        if top_k is not None:
+            logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[..., -1:], -torch.inf)
+        return logits.softmax(dim=-1)
+
+    start = model.config.decoder_start_token_id
+    decoder_input_ids = torch.tensor([[start, token] for token in range(vocab)])
+    expanded = {name: tensor.expand(vocab, *tensor.shape[1:]) for name, tensor in inputs.items()}
+    with torch.no_grad():
+        logits = model(**expanded, decoder_input_ids=decoder_input_ids).logits.float()
+    first = warped(logits[0, 0])
+    pairs = first[:, None] * warped(logits[:, 1])
+    end, pad = model.config.eos_token_id, model.config.pad_token_id
+    pairs[end] = 0
+    pairs[end, pad] = first[end]
+    return pairs
+
+
+def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's chi-square test of counts against expected counts; cells expected below 5 are pooled."""
+    observed, expected = observed.flatten().double(), expected.flatten().double()
+    small = expected < 5
+    assert float(observed[expected == 0].sum()) == 0  # nothing the full model cannot sample
+    observed = torch.cat([observed[~small], observed[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = expected > 0
+    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    freedom = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(freedom / 2.0), statistic / 2))
+
+
+def test_a_seed_reproduces_speculative_samples(model):
+    inputs = mixed_lengths(4)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        runs.append(speculative(model, inputs, FixedLayerExit(1), do_sample=True, num_assistant_tokens=3).sequences)
+    assert torch.equal(*runs)
+
+
+def test_sampled_return_sequences_and_the_heuristic_schedule(model):
+    inputs = mixed_lengths(2)
+    torch.manual_seed(0)
+    out = speculative(
+        model,
+        inputs,
+        FixedLayerExit(2),
+        do_sample=True,
+        num_return_sequences=3,
+        num_assistant_tokens=2,
+        num_assistant_tokens_schedule="heuristic",
+    )
+    assert out.sequences.shape[0] == 6 and out.drafted_tokens.shape == (6,)
+
+
+class Collector(BaseStreamer):
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value):
+        self.tokens += value.flatten().tolist()
+
+    def end(self):
+        self.ended = True
+
+
+def test_a_streamer_receives_the_tokens_as_they_are_accepted(model):
+    inputs = mixed_lengths(1)
+    streamer = Collector()
+    out = speculative(model, inputs, FixedLayerExit(1), streamer=streamer, num_assistant_tokens=4)
+    assert streamer.tokens == out.sequences[0].tolist() and streamer.ended
+
+
+def test_speculative_can_be_the_saved_default(model):
+    model.generation_config.exit_mode, model.generation_config.exit_threshold = "speculative", 0.5
+    try:
+        with torch.no_grad():
+            out = model.generate(**mixed_lengths(2), max_new_tokens=4, return_dict_in_generate=True)
+    finally:
+        del model.generation_config.exit_mode, model.generation_config.exit_threshold
+    assert out.drafted_tokens is not None
+    with torch.no_grad():
+        expected = model.generate(**mixed_lengths(2), max_new_tokens=4, **NO_EXIT)
+    assert torch.equal(out.sequences, expected)
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        (dict(exit_mode="speculative", exit_threshold=0.5, num_beams=2), "num_beams"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, prompt_lookup_num_tokens=2), "prompt_lookup_num_tokens"),
+        (dict(exit_threshold=0.5, prompt_lookup_num_tokens=2), "lossy exits"),
+        (dict(exit_mode="speculative"), "exit_threshold"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, kv_strategy="propagate"), "kv_strategy"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, row_exit="keep"), "row_exit"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, encoder_exit_threshold=0.9), "encoder_exit_threshold"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, output_hidden_states=True), "output_hidden_states"),
+        (dict(exit_mode="lossless"), "exit_mode"),
+    ],
+)
+def test_refusals_name_the_knob(model, knobs, message):
+    with pytest.raises(ValueError, match=message):
+        model.generate(**mixed_lengths(1), max_new_tokens=3, **knobs)
+
+
+def test_an_assistant_model_is_refused_with_exits(model):
+    for knobs in (dict(exit_threshold=0.5), dict(exit_mode="speculative", exit_threshold=0.5)):
+        with pytest.raises(ValueError, match="assistant_model"):
+            model.generate(**mixed_lengths(1), max_new_tokens=3, assistant_model=model, **knobs)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_embedded_model_through_remote_code_gives_its_full_models_captions(batch):
+    model = AutoModel.from_pretrained(EMBEDDED_MODEL_DIR, trust_remote_code=True).eval()
+    processor = AutoProcessor.from_pretrained(EMBEDDED_MODEL_DIR, trust_remote_code=True)
+    rows = get_task("caption").dataset("test", size=8)
+    drafted = accepted = 0
+    for start in range(0, 8, batch):
+        chunk = rows.select(range(start, start + batch))
+        inputs = processor(images=list(chunk["image"]), text=list(chunk["prompt"]), return_tensors="pt")
+        with torch.no_grad():
+            expected = model.generate(**inputs, max_new_tokens=24, **NO_EXIT)
+            out = model.generate(**inputs, max_new_tokens=24, exit_mode="speculative", return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        drafted, accepted = drafted + int(out.drafted_tokens.sum()), accepted + int(out.accepted_tokens.sum())
+    assert accepted > 0.6 * drafted  # a trained model's exits draft well
