@@ -28,11 +28,11 @@ from collections.abc import Callable
 
 import torch
 
-from .evaluation import TaskInputs, TaskRun, flop_costs, run_batch, score, task_inputs
+from .evaluation import TaskInputs, TaskRun, flop_costs, run_batch, run_knobs, score, task_inputs
 from .measures import PartCosts, expected_time_reduction
 from .modeling.configuration_ofa import OFAEarlyExitConfig
 from .modeling.exit_controllers import FixedLayerExit
-from .modeling.exit_knobs import KV_STRATEGIES, NO_EXIT, ROW_EXIT_PLANS
+from .modeling.exit_knobs import KV_STRATEGIES, NO_EXIT, ROW_EXIT_PLANS, SPECULATIVE_KNOBS
 from .modeling.generation_early_exit import EarlyExitSettings
 from .modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration
 
@@ -362,10 +362,21 @@ def round_seconds(
     return times
 
 
-def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: int = 3, meteor: bool = False) -> dict:
+def task_benchmark(
+    model,
+    processor,
+    inputs: TaskInputs,
+    knobs: dict,
+    repeats: int = 3,
+    meteor: bool = False,
+    speculative: dict | None = None,
+) -> dict:
     """Full model vs `knobs` on the same inputs (`paired_seconds`): quality, expected time reduction, wall clock,
-    per-part times. Returns the JSON object `hf-earlyexit bench --json` prints."""
+    tokens per second, per-part times; with `speculative` (knobs with `exit_mode="speculative"`), that mode too,
+    timed in the same rounds (`speculative_report`). Returns the JSON object `hf-earlyexit bench --json` prints."""
     config, settings = model.config, {"full": {}, "early_exit": knobs}
+    if speculative is not None:
+        settings["speculative"] = speculative
     batch_runs: dict[str, list[TaskRun | None]] = {name: [None] * len(inputs.batches) for name in settings}
 
     def generate(name: str) -> Callable[[int], None]:
@@ -398,6 +409,7 @@ def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: i
         return {
             "quality": scores[inputs.task.quality_key],
             "seconds": seconds[name],
+            "tokens_per_second": round(run.tokens / seconds[name], 2),
             "scores": scores,
             "mean_layers": {
                 "encoder_image": round(float(run.encoder_exit_layers[:, 0].double().mean()), 3),
@@ -411,7 +423,7 @@ def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: i
     early["expected_time_reduction_flops"] = round(reduction(runs["early_exit"], flops), 4)
     early["expected_time_reduction_per_row"] = round(reduction(runs["early_exit"], costs, 1), 4)
     early["settings"] = knobs
-    return {
+    report = {
         "task": inputs.task.name,
         "metric": inputs.task.quality_key,
         "samples": inputs.samples,
@@ -431,6 +443,46 @@ def task_benchmark(model, processor, inputs: TaskInputs, knobs: dict, repeats: i
             "decoder_fixed_per_token": costs.decoder_fixed,
         },
     }
+    if speculative is not None:
+        report["speculative"] = {**side("speculative"), **speculative_report(runs, seconds)}
+        report["speculative"]["round_time_shares"] = round_time_shares(model, processor, inputs, speculative)
+        report["speculative"]["settings"] = speculative
+    return report
+
+
+def speculative_report(runs: dict[str, TaskRun], seconds: dict[str, float]) -> dict:
+    """Speculative mode against the full model: whether its outputs are the full model's, its speedup, and how its
+    drafts fared. A round ends with one token of the full model's own (the one after the accepted drafts), so rounds
+    = tokens - accepted drafts."""
+    run, full = runs["speculative"], runs["full"]
+    rounds = max(run.tokens - run.accepted, 1)
+    return {
+        "same_outputs_as_full": run.predictions == full.predictions,
+        "speedup_over_full": round(seconds["full"] / seconds["speculative"], 3),
+        "acceptance_rate": round(run.accepted / run.drafted, 4) if run.drafted else None,
+        "accepted_per_round": round(run.accepted / rounds, 3),
+        "tokens_per_round": round(run.tokens / rounds, 3),
+    }
+
+
+def round_time_shares(model, processor, inputs: TaskInputs, knobs: dict, samples: int = 32) -> dict:
+    """Where speculative mode's rounds spend their time, from one more pass over the first `samples` samples under
+    `torch.profiler` (which slows it, so shares, not seconds; and it keeps every op's record, so not the whole
+    split): drafting, verification, and the rest (acceptance, logits processors, bookkeeping), with the
+    verification's milliseconds per round under the profiler."""
+    batches = inputs.batches[: max(1, samples // inputs.batches[0]["input_ids"].shape[0])]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        for batch in batches:
+            run_batch(model, processor, inputs.task, batch, knobs)
+    events = {event.key: event for event in profiler.key_averages() if event.key.startswith("speculative.")}
+    total = events["speculative.round"].cpu_time_total
+    draft, verify = (events[f"speculative.{part}"].cpu_time_total for part in ("draft", "verify"))
+    return {
+        "draft": round(draft / total, 3),
+        "verification": round(verify / total, 3),
+        "bookkeeping": round(1 - (draft + verify) / total, 3),
+        "verification_ms_per_round_profiled": round(verify / events["speculative.verify"].count / 1000, 3),
+    }
 
 
 def model_benchmark(
@@ -447,13 +499,19 @@ def model_benchmark(
 ) -> dict:
     """`task_benchmark` of a loaded model with `knobs` on task `task`'s first `samples` test rows, with the model
     moved to `device` and `dtype`. ValueError when `knobs` make no part exit."""
+    speculative = None
+    if knobs.get("exit_mode") == "speculative":  # beside the lossy exits of the same settings and saved defaults
+        speculative = knobs
+        knobs = run_knobs(
+            model, **{**{k: v for k, v in knobs.items() if k not in SPECULATIVE_KNOBS}, "exit_mode": "exit"}
+        )
     if not EarlyExitSettings.from_knobs(model.config, **knobs).exits:
         raise ValueError(
             "No exit setting: give an exit threshold, or calibrate the model (`hf-earlyexit calibrate --write`)."
         )
     model.to(device=device, dtype=getattr(torch, dtype))
     inputs = task_inputs(task, processor, "test", samples, batch_size, model.device)
-    return task_benchmark(model, processor, inputs, knobs, repeats, meteor=meteor)
+    return task_benchmark(model, processor, inputs, knobs, repeats, meteor=meteor, speculative=speculative)
 
 
 def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str) -> dict:

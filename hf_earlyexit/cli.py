@@ -14,6 +14,7 @@ from .data import CAPTION_PROMPT
 from .loading import build_processor, load_image, load_model_and_processor
 from .modeling.exit_knobs import (
     EXIT_KNOBS,
+    EXIT_MODES,
     EXIT_TOKEN_LAYERS,
     KV_STRATEGIES,
     POLICY_NAMES,
@@ -58,7 +59,9 @@ def cmd_caption(args: argparse.Namespace) -> None:
 
     images = [load_image(path) for path in args.images]
     model, processor = load_model_and_processor(args.model_dir)
-    captions, seconds = caption_images(model, processor, images, args.prompt, args.num_beams, args.max_new_tokens)
+    knobs = {"exit_mode": args.exit_mode} if args.exit_mode else {}
+    num_beams = args.num_beams or (1 if args.exit_mode == "speculative" else 5)  # speculative mode decodes greedily
+    captions, seconds = caption_images(model, processor, images, args.prompt, num_beams, args.max_new_tokens, **knobs)
     for path, caption in zip(args.images, captions, strict=True):
         print(f"{path}\t{caption.strip()}")
     print(f"{len(images)} image(s) in {seconds:.2f} s", file=sys.stderr)
@@ -182,6 +185,12 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
         "--exit-token-layer", dest="exit_token_layer", choices=EXIT_TOKEN_LAYERS, help="a ready row's token layer"
     )
     parser.add_argument("--batch-stop-fraction", dest="batch_stop_fraction", type=float)
+    parser.add_argument(
+        "--exit-mode",
+        dest="exit_mode",
+        choices=EXIT_MODES,
+        help="exit (lossy) or speculative (the full model's output)",
+    )
     parser.add_argument("--full", action="store_true", help="the full model (no exit)")
 
 
@@ -253,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("model_dir")
     caption.add_argument("images", nargs="+")
     caption.add_argument("--prompt", default=CAPTION_PROMPT)
-    caption.add_argument("--num-beams", type=int, default=5)
+    caption.add_argument("--num-beams", type=int, help="default 5; 1 with --exit-mode speculative")
+    caption.add_argument("--exit-mode", dest="exit_mode", choices=EXIT_MODES, help="exit (lossy) or speculative")
     caption.add_argument("--max-new-tokens", type=int, default=16)
     caption.set_defaults(run=cmd_caption)
 

@@ -17,6 +17,8 @@ from .plots import exit_picture
 # Test rows per task for the full vs early-exit comparison, and examples per task shown token by token.
 DEMO_SAMPLES = {"vqa": 200, "entailment": 200, "caption": 100}
 DEMO_EXAMPLES = {"vqa": 3, "entailment": 2, "caption": 4}
+# The tasks shown in speculative mode too: a caption has tokens to draft, an answer hardly any.
+SPECULATIVE_TASKS = ("caption",)
 
 
 @dataclass
@@ -71,9 +73,12 @@ def run_demo(
         model_dir, model.num_parameters(), config.encoder_layers, config.decoder_layers, knobs, torch.get_num_threads()
     )
     yield report
+    speculative = run_knobs(model, exit_mode="speculative")  # the same exits, drafting for the full model
     for name, count in samples.items():
         inputs = task_inputs(name, processor, "test", count, batch_size)
-        report = replace(report, tasks={**report.tasks, name: task_benchmark(model, processor, inputs, knobs, 1)})
+        drafts = speculative if name in SPECULATIVE_TASKS else None
+        task = task_benchmark(model, processor, inputs, knobs, 1, speculative=drafts)
+        report = replace(report, tasks={**report.tasks, name: task})
         yield report
     shown = [
         example for name, count in examples.items() for example in exit_examples(model, processor, knobs, name, count)
@@ -106,16 +111,25 @@ def exit_examples(model, processor, knobs: dict[str, Any], task: str, count: int
 
 
 def task_line(name: str, report: dict[str, Any], encoder_layers: int, decoder_layers: int) -> str:
-    """One task's full vs early-exit comparison on one line."""
+    """One task's full vs early-exit comparison on one line, and speculative mode's on the next."""
     full, early = report["full"], report["early_exit"]
     layers = early["mean_layers"]
-    return (
+    line = (
         f"  {name:<10} {report['metric']} {full['quality']:.3f} -> {early['quality']:.3f} "
         f"({100 * report['quality_ratio']:.1f}% of full) | expected time reduction "
         f"{100 * early['expected_time_reduction']:.0f}% | wall clock {full['seconds']:.2f} s -> "
         f"{early['seconds']:.2f} s ({100 * report['wall_clock_time_reduction']:.0f}% less) | layers: image "
         f"{layers['encoder_image']:.2f}, text {layers['encoder_text']:.2f}, decoder "
         f"{layers['decoder_per_token']:.2f} per token (of {encoder_layers} / {decoder_layers})"
+    )
+    speculative = report.get("speculative")
+    if speculative is None:
+        return line
+    same = "the full model's outputs" if speculative["same_outputs_as_full"] else "OUTPUTS DIFFER from the full model"
+    return (
+        f"{line}\n  {'':<10} speculative (lossless): {same}, {full['seconds']:.2f} s -> {speculative['seconds']:.2f} s "
+        f"({speculative['speedup_over_full']:.2f}x), {100 * speculative['acceptance_rate']:.0f}% of drafts accepted, "
+        f"{speculative['tokens_per_round']:.1f} tokens per round"
     )
 
 

@@ -16,7 +16,7 @@ from .data import CAPTION_PROMPT, ImageTextCollator
 from .measures import PartCosts, expected_time_reduction
 from .metrics import load as load_metric
 from .modeling.exit_controllers import FixedLayerExit
-from .modeling.exit_knobs import NO_EXIT, non_default_knobs, resolve_knobs
+from .modeling.exit_knobs import NO_EXIT, SPECULATIVE_KNOBS, non_default_knobs, resolve_knobs
 from .tasks import Task, get_task
 
 
@@ -65,18 +65,29 @@ def run_knobs(model, full: bool = False, **given: Any) -> dict[str, Any]:
     default are left out unless given; `full` means none (the full model)."""
     if full:
         return {}
-    return {**non_default_knobs(resolve_knobs(model.config, model.generation_config, **given)), **given}
+    resolved = non_default_knobs(resolve_knobs(model.config, model.generation_config, **given))
+    if resolved.get("exit_mode") == "speculative":  # it sets aside the saved defaults that would change its output
+        resolved = {name: value for name, value in resolved.items() if name not in SPECULATIVE_KNOBS}
+    return {**resolved, **given}
 
 
 @dataclass
 class TaskRun:
     """predictions: one text per sample. encoder_exit_layers [N, 2]: layers run per (image, text) stream.
-    decoder_exit_layers [N, T]: layers run per generated token, 0 past the sample's end. seconds: wall clock."""
+    decoder_exit_layers [N, T]: layers run per generated token, 0 past the sample's end. seconds: wall clock.
+    drafted / accepted: speculative mode's drafted and accepted tokens (0 otherwise)."""
 
     predictions: list[str]
     encoder_exit_layers: torch.Tensor
     decoder_exit_layers: torch.Tensor
     seconds: float
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """The tokens generated, up to each sample's end."""
+        return int((self.decoder_exit_layers > 0).sum())
 
     @classmethod
     def concatenate(cls, runs: list["TaskRun"]) -> "TaskRun":
@@ -87,6 +98,8 @@ class TaskRun:
             torch.cat([run.encoder_exit_layers for run in runs]),
             torch.cat([F.pad(run.decoder_exit_layers, (0, width - run.decoder_exit_layers.shape[1])) for run in runs]),
             sum(run.seconds for run in runs),
+            sum(run.drafted for run in runs),
+            sum(run.accepted for run in runs),
         )
 
 
@@ -107,7 +120,12 @@ def run_batch(
     past_end = (ended.cumsum(dim=1) - ended.long()) > 0  # tokens after the first </s> are padding
     decoder_layers = out.exit_layers.masked_fill(past_end.to(out.exit_layers.device), 0).cpu()
     predictions = [text.strip() for text in processor.batch_decode(out.sequences, skip_special_tokens=True)]
-    return TaskRun(predictions, out.encoder_exit_layers.cpu(), decoder_layers, seconds)
+    drafted, accepted = (
+        (int(out.drafted_tokens.sum()), int(out.accepted_tokens.sum()))
+        if getattr(out, "drafted_tokens", None) is not None
+        else (0, 0)
+    )
+    return TaskRun(predictions, out.encoder_exit_layers.cpu(), decoder_layers, seconds, drafted, accepted)
 
 
 def run_task(model, processor, inputs: TaskInputs, knobs: dict[str, Any] | None = None, **generate_kwargs) -> TaskRun:
@@ -170,12 +188,19 @@ def evaluate_task(
 
 @torch.no_grad()
 def caption_images(
-    model, processor, images: list, prompt: str = CAPTION_PROMPT, num_beams: int = 5, max_new_tokens: int = 16
+    model,
+    processor,
+    images: list,
+    prompt: str = CAPTION_PROMPT,
+    num_beams: int = 5,
+    max_new_tokens: int = 16,
+    **knobs: Any,
 ) -> tuple[list[str], float]:
-    """The captions of `images` (with the model's saved exit defaults) and the seconds `generate` took."""
+    """The captions of `images` (with the model's saved exit defaults, and `knobs` over them) and the seconds
+    `generate` took."""
     inputs = processor(images=images, text=[prompt] * len(images), return_tensors="pt")
     start = time.perf_counter()
-    sequences = model.generate(**inputs, num_beams=num_beams, max_new_tokens=max_new_tokens)
+    sequences = model.generate(**inputs, num_beams=num_beams, max_new_tokens=max_new_tokens, **knobs)
     seconds = time.perf_counter() - start
     return processor.batch_decode(sequences, skip_special_tokens=True), seconds
 

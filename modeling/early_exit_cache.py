@@ -198,9 +198,11 @@ class EarlyExitCache(DynamicCache):
 
     def pending_inputs(
         self, layer_idx: int, rows: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | slice] | None:
         """recompute: of `rows`, those with tokens waiting for layer `layer_idx`, their waiting hidden states
-        [rows', P, d] and slots [rows', P] (chronological, -1 = padding), or None when nothing waits."""
+        [rows', P, d] and slots [rows', P] (chronological, -1 = padding), or None when nothing waits. When every row
+        of the batch waits at the same last P slots (a speculative round's verification at batch 1, a step after a
+        shared exit), the rows are None and the slots a slice: no gathers."""
         if layer_idx not in self.waiting_layers:
             return None
         waiting = self.frontier[rows] == layer_idx  # [rows, T]
@@ -210,6 +212,13 @@ class EarlyExitCache(DynamicCache):
             if not bool((self.frontier == layer_idx).any()):  # no row at all waits here any more
                 self.waiting_layers.discard(layer_idx)
             return None
+        length = waiting.shape[1]
+        if (
+            len(rows) == self.frontier.shape[0]
+            and bool(waiting[:, length - width :].all())
+            and bool((counts == width).all())
+        ):
+            return None, self.pending[:, length - width :], slice(length - width, length)
         has_pending = counts > 0
         rows, waiting, counts = rows[has_pending], waiting[has_pending], counts[has_pending]
         # Waiting slots first, each group in chronological order (a stable sort of "not waiting").
@@ -225,13 +234,19 @@ class EarlyExitCache(DynamicCache):
         self.pending[:, slots] = hidden_states.to(self.pending.dtype)
         self.waiting_layers.add(0)
 
-    def advance(self, layer_idx: int, rows: torch.Tensor, slots: torch.Tensor, hidden_states: torch.Tensor) -> None:
+    def advance(
+        self, layer_idx: int, rows: torch.Tensor | None, slots: torch.Tensor | slice, hidden_states: torch.Tensor
+    ) -> None:
         """recompute: layer `layer_idx` ran on the waiting tokens; they now wait for the next layer."""
-        valid = slots >= 0
-        row_index = rows[:, None].expand_as(slots)[valid]
-        slot_index = slots[valid]
-        self.pending[row_index, slot_index] = hidden_states[valid].to(self.pending.dtype)
-        self.frontier[row_index, slot_index] = layer_idx + 1
+        if isinstance(slots, slice):  # every row, the same slots
+            self.pending[:, slots] = hidden_states.to(self.pending.dtype)
+            self.frontier[:, slots] = layer_idx + 1
+        else:
+            valid = slots >= 0
+            row_index = rows[:, None].expand_as(slots)[valid]
+            slot_index = slots[valid]
+            self.pending[row_index, slot_index] = hidden_states[valid].to(self.pending.dtype)
+            self.frontier[row_index, slot_index] = layer_idx + 1
         if layer_idx + 1 < self.num_layers:
             self.waiting_layers.add(layer_idx + 1)
 

@@ -48,6 +48,14 @@ EXIT_KNOBS: dict[str, Any] = {
 # Every knob at its default, i.e. no part exits: passed on top of saved defaults, it asks for the full model.
 NO_EXIT: dict[str, Any] = dict(EXIT_KNOBS)
 
+# What speculative mode runs with, whatever the saved defaults say: its output is the full model's.
+SPECULATIVE_KNOBS: dict[str, Any] = {
+    **{f"{part}_exit_threshold": None for part in ENCODER_PARTS},
+    "kv_strategy": "recompute",
+    "row_exit": "compact",
+    "exit_token_layer": "own",
+}
+
 # Named choices: knob -> its choices.
 CHOICES: dict[str, tuple[str, ...]] = {
     "exit_policy": POLICY_NAMES,
@@ -161,6 +169,7 @@ __all__ = [
     "ROW_EXIT_PLANS",
     "RowExitPlan",
     "SCHEDULE_NAMES",
+    "SPECULATIVE_KNOBS",
     "ThresholdScheduleName",
     "check_batch_rules",
     "check_encoder_parts",

@@ -25,6 +25,7 @@ from .exit_knobs import (
     ENCODER_PARTS,
     EXIT_KNOBS,
     EXIT_PARTS,
+    SPECULATIVE_KNOBS,
     ExitMode,
     ExitTokenLayer,
     KVStrategy,
@@ -99,45 +100,36 @@ class EarlyExitSettings:
         return settings.drafting(knobs) if settings.exit_mode == "speculative" else settings
 
     def drafting(self, given: dict[str, Any]) -> "EarlyExitSettings":
-        """The settings of speculative mode, whose output is the full model's: the encoder runs in full (its exits
-        would change what the decoder reads), the cache keeps exact K/V (`recompute`: the verification runs only the
-        layers the drafts skipped and keeps them), and a drafting row leaves the layers after its exit (`compact`:
-        kept running, it would first run the layers its earlier drafts skipped, one token at a time). Saved defaults
-        that say otherwise are set aside; knobs `given` in this call that say otherwise are a ValueError, since they
-        would be ignored."""
+        """The settings of speculative mode, whose output is the full model's (`SPECULATIVE_KNOBS`): the encoder runs
+        in full (its exits would change what the decoder reads), the cache keeps exact K/V (`recompute`: the
+        verification runs only the layers the drafts skipped and keeps them), and a drafting row leaves the layers
+        after its exit (`compact`: kept running, it would first run the layers its earlier drafts skipped, one token
+        at a time). Saved defaults that say otherwise are set aside; knobs `given` in this call with another value
+        than their default are a ValueError, since they would be ignored."""
         if self.decoder is None:
             raise ValueError(
                 '`exit_mode="speculative"` drafts with the decoder\'s exits: set `exit_threshold` or an '
                 "`exit_controller` for the decoder."
             )
-        encoder = [f"{part}_exit_threshold" for part in ENCODER_PARTS if given.get(f"{part}_exit_threshold") is not None]
+        conflicts = [
+            f"{name}={given[name]!r}"
+            for name, value in SPECULATIVE_KNOBS.items()
+            if given.get(name, value) not in (value, EXIT_KNOBS[name])
+        ]
         custom = given.get("exit_controller")
-        encoder += sorted(set(custom) - {"decoder"}) if isinstance(custom, dict) else []
-        if encoder:
-            raise ValueError(
-                f'`exit_mode="speculative"` runs the encoder in full, so that the output is the full model\'s: '
-                f"drop {encoder}."
-            )
-        if given.get("kv_strategy", "recompute") != "recompute":
-            raise ValueError(
-                '`exit_mode="speculative"` keeps exact K/V (`kv_strategy="recompute"`: the verification runs only the '
-                f"layers the drafts skipped); got `kv_strategy={given['kv_strategy']!r}`."
-            )
-        kept = sorted(name for name, keeps in (("row_exit", "keep"), ("exit_token_layer", "batch")) if given.get(name) == keeps)
-        if kept:
-            raise ValueError(
-                f'`exit_mode="speculative"` takes each drafting row out of the layers after its exit (`row_exit='
-                f'"compact"`), so that no draft runs a layer its round\'s earlier drafts skipped: drop {kept}.'
-            )
-        return dataclasses.replace(
-            self,
-            encoder=None,
-            encoder_image=None,
-            encoder_text=None,
-            kv_strategy="recompute",
-            row_exit="compact",
-            exit_token_layer="own",
+        conflicts += (
+            sorted(f"exit_controller[{part!r}]" for part in set(custom) - {"decoder"})
+            if isinstance(custom, dict)
+            else []
         )
+        if conflicts:
+            raise ValueError(
+                '`exit_mode="speculative"` runs the encoder in full and drafts with `kv_strategy="recompute"` and '
+                f'`row_exit="compact"`, so that the output is the full model\'s: drop {conflicts}.'
+            )
+        return dataclasses.replace(self, encoder=None, encoder_image=None, encoder_text=None, **{
+            name: value for name, value in SPECULATIVE_KNOBS.items() if not name.endswith("_exit_threshold")
+        })  # fmt: skip
 
     @property
     def exits(self) -> bool:

@@ -873,8 +873,14 @@ class SlotBiases:
     buckets: torch.Tensor  # [batch, Q, T]
     cross_bias: torch.Tensor  # [batch, heads, Q, S]
 
-    def select(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The biases of the queries at `slots` [R, P] (-1 = padding) of `rows` [R]."""
+    def select(
+        self, rows: torch.Tensor | None, slots: torch.Tensor | slice
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The biases of the queries at `slots` [R, P] (-1 = padding) of `rows` [R], or at the slice `slots` of
+        every row (`rows` None)."""
+        if isinstance(slots, slice):
+            local = slice(slots.start - self.first, slots.stop - self.first)
+            return self.self_absolute[:, :, local], self.buckets[:, local], self.cross_bias[:, :, local]
         local = (slots - self.first).clamp(min=0)
         heads, length, source = self.self_absolute.shape[1], self.self_absolute.shape[-1], self.cross_bias.shape[-1]
         by_query = local[:, None, :, None]
@@ -1212,14 +1218,15 @@ class OFADecoder(nn.Module):
         waiting = past_key_values.self_attention_cache.pending_inputs(layer_idx, rows)
         if waiting is None:
             return
-        rows, hidden_states, slots = waiting  # [R], [R, P, d], [R, P] (-1 = padding)
+        rows, hidden_states, slots = waiting  # [R] or None (all), [R, P, d], [R, P] (-1 = padding) or a slice
         if slot_biases is not None:
             self_absolute, buckets, cross_bias = slot_biases.select(rows, slots)
         else:
+            query_slots = torch.arange(slots.start, slots.stop)[None] if isinstance(slots, slice) else slots
             self_absolute, buckets, cross_bias = self.attention_biases(
                 select_rows(positions, rows),
                 select_rows(position_ids, rows),
-                slots.clamp(min=0),
+                query_slots.clamp(min=0).to(hidden_states.device),
                 select_rows(attention_mask, rows),
                 encoder_outputs,
                 rows,
@@ -1230,7 +1237,7 @@ class OFADecoder(nn.Module):
             encoder_outputs.last_hidden_state,
             cross_bias,
             past_key_values,
-            ActiveRows.of(rows),
+            None if rows is None else ActiveRows.of(rows),
             slots,
         )
         past_key_values.self_attention_cache.advance(layer_idx, rows, slots, hidden_states)

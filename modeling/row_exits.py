@@ -52,9 +52,10 @@ class ActiveRows:
         return cls(index, [(start, end) for start, end in runs])
 
 
-def select_rows(tensor: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor | None:
-    """The kept rows of a per-row tensor; tensors with a broadcast batch of 1 (or None) pass through."""
-    if tensor is None or tensor.shape[0] == 1:
+def select_rows(tensor: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor | None:
+    """The kept rows of a per-row tensor (`keep` None: every row); tensors with a broadcast batch of 1 (or None) pass
+    through."""
+    if tensor is None or keep is None or tensor.shape[0] == 1:
         return tensor
     return tensor[keep]
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from .exit_controllers import ExitController, ExitState, checked_decision
 
@@ -198,9 +199,9 @@ def accept_sampled(
 
 @dataclass
 class SpeculativeDecoding:
-    """One speculative `generate` call: the decoder, its cache and encoder outputs, the settings that draft (the
-    call's, with its decoder controller) and those that verify (the same, at full depth), and the call's logits
-    processors."""
+    """One speculative `generate` call: the decoder, its cache (`recompute`) and the encoder outputs, the settings
+    the drafts run under (`EarlyExitSettings.drafting`, with the call's decoder controller), and the call's logits
+    processors and sampling choice."""
 
     decoder: torch.nn.Module
     cache: object
@@ -214,24 +215,28 @@ class SpeculativeDecoding:
     def depth(self) -> int:
         return len(self.decoder.layers)
 
-    def draft(self, tokens: torch.Tensor, slots: SlotMask, controller: "CappedDraft") -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(
+        self, tokens: torch.Tensor, slots: SlotMask, controller: "CappedDraft"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting step of every row on `tokens` [batch] under `controller`: (logits [batch, vocab], exit layers
         [batch])."""
         mask, positions = slots.covering(self.cache.get_seq_length() + 1)
         settings = dataclasses.replace(self.drafting, decoder=controller)
-        out = self.decoder(tokens[:, None], self.encoder_outputs, mask, self.cache, settings, position_ids=positions)
-        logits = out.logits if out.logits is not None else self.decoder.output_projection(out.last_hidden_state)
+        with record_function("speculative.draft"):  # where a round's time goes, under `torch.profiler`
+            out = self.decoder(
+                tokens[:, None], self.encoder_outputs, mask, self.cache, settings, position_ids=positions
+            )
+            logits = out.logits if out.logits is not None else self.decoder.output_projection(out.last_hidden_state)
         return logits[:, -1].float(), out.exit_layers.clone()
 
     def verify(self, tokens: torch.Tensor | None, slots: SlotMask) -> None:
         """The verification of a round: every draft run through the layers it skipped, with `tokens` [batch] (the last
         drafts) run through all of them; None when every row's last draft step was left unused."""
-        if tokens is None:
-            mask, positions = slots.covering(self.cache.get_seq_length())
-            self.decoder.verify(None, self.encoder_outputs, mask, self.cache, positions)
-            return
-        mask, positions = slots.covering(self.cache.get_seq_length() + 1)
-        self.decoder.verify(tokens[:, None], self.encoder_outputs, mask, self.cache, positions)
+        mask, positions = slots.covering(self.cache.get_seq_length() + (tokens is not None))
+        with record_function("speculative.verify"):
+            self.decoder.verify(
+                None if tokens is None else tokens[:, None], self.encoder_outputs, mask, self.cache, positions
+            )
 
     def pick(self, scores: torch.Tensor) -> torch.Tensor:
         if self.do_sample:
@@ -274,7 +279,10 @@ class SpeculativeDecoding:
         self.verify(inputs if drafting else None, slots)
         p_logits = self.verified_logits(drafts, start)
         p_scores = torch.stack(
-            [processed(self.processors, tokens, rows, offset, p_logits[:, offset]) for offset in range(len(drafts) + 1)],
+            [
+                processed(self.processors, tokens, rows, offset, p_logits[:, offset])
+                for offset in range(len(drafts) + 1)
+            ],
             dim=1,
         )
         drafted = torch.stack([draft.tokens for draft in drafts], dim=1) if drafts else inputs[:, None][:, :0]
@@ -388,7 +396,8 @@ def speculative_generate(
     while generating:
         k = max(0, min(draft_tokens, max_length - min(tokens.lengths[row] for row in generating) - 1))
         start = decoding.cache.get_seq_length()
-        result = decoding.run_round(inputs, tokens, generating, k, slots)
+        with record_function("speculative.round"):
+            result = decoding.run_round(inputs, tokens, generating, k, slots)
         appended, still = commit_round(result, tokens, generating, log, stopping_criteria, streamer)
         real = torch.tensor(appended, device=inputs.device)  # the inputs before the tokens each row appended
         crop = slots.close_round(decoding.cache.get_seq_length(), real, start)

@@ -31,6 +31,23 @@ def test_caption_prints_one_line_per_image(model_dir, tmp_path, capsys):
     assert len(lines) == 2 and all(line.startswith(str(image) + "\t") for line in lines)
 
 
+def test_caption_in_speculative_mode_prints_the_full_models_greedy_captions(tmp_path, capsys):
+    from hf_earlyexit.evaluation import caption_images
+    from hf_earlyexit.loading import EMBEDDED_MODEL_DIR, load_model_and_processor
+    from hf_earlyexit.modeling.exit_knobs import NO_EXIT
+    from hf_earlyexit.tasks import get_task
+
+    images = list(get_task("caption").dataset("test", size=3)["image"])
+    paths = [str(tmp_path / f"{index}.png") for index in range(len(images))]
+    for image, path in zip(images, paths, strict=True):
+        image.save(path)
+    assert main(["caption", str(EMBEDDED_MODEL_DIR), *paths, "--exit-mode", "speculative"]) == 0  # greedy: 1 beam
+    printed = [line.split("\t")[1] for line in capsys.readouterr().out.strip().splitlines()]
+    model, processor = load_model_and_processor(EMBEDDED_MODEL_DIR)
+    expected, _ = caption_images(model, processor, images, num_beams=1, **NO_EXIT)
+    assert printed == [caption.strip() for caption in expected]
+
+
 def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_tokenizer_dir, tmp_path, capsys):
     status = main(
         [
@@ -196,6 +213,17 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
 
     assert main([*argv, "--kv-strategy", "copy", "--json"]) == 0  # one knob given: the calibrated ones stay
     assert json.loads(capsys.readouterr().out)["early_exit"]["settings"] == {**saved, "kv_strategy": "copy"}
+    speculative_argv = [*argv, "--exit-mode", "speculative", "--exit-threshold", "0.5", "--exit-policy", "confidence"]
+    assert main([*speculative_argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    speculative = report["speculative"]
+    assert speculative["same_outputs_as_full"] and speculative["quality"] == report["full"]["quality"]
+    assert speculative["settings"]["exit_mode"] == "speculative"
+    assert report["early_exit"]["settings"].get("exit_mode", "exit") == "exit"  # the lossy exits beside it
+    assert {"tokens_per_second", "acceptance_rate", "tokens_per_round", "speedup_over_full"} <= set(speculative)
+    assert sum(speculative["round_time_shares"][part] for part in ("draft", "verification", "bookkeeping")) == (
+        pytest.approx(1, abs=0.01)
+    )
     assert main([*argv, "--dtype", "bfloat16", "--json"]) == 0  # --dtype reaches the task benchmark's model
     report = json.loads(capsys.readouterr().out)
     assert report["dtype"] == "bfloat16" and report["full"]["seconds"] > 0
@@ -236,5 +264,6 @@ def test_demo_uses_the_embedded_model_and_shows_exit_layers_and_savings(tmp_path
     for task in ("vqa", "entailment", "caption"):
         assert f"  {task} " in out
     assert "expected time reduction" in out and "% of full" in out
+    assert "speculative (lossless): the full model's outputs" in out
     assert "[caption] what does the image describe? -> " in out and ("(1)" in out or "(2)" in out)
     assert (tmp_path / "demo" / "caption_exits.png").stat().st_size > 0

@@ -47,7 +47,19 @@ def test_demo_lines_say_the_report_in_words():
         decoder_layers=4,
         knobs={"exit_threshold": 0.8},
         threads=2,
-        tasks={"vqa": task},
+        tasks={
+            "vqa": task,
+            "caption": {
+                **task,
+                "speculative": {
+                    "seconds": 1.6,
+                    "same_outputs_as_full": True,
+                    "speedup_over_full": 1.25,
+                    "acceptance_rate": 0.8,
+                    "tokens_per_round": 3.5,
+                },
+            },
+        },
         examples=[ExitExample("caption", " what does the image describe? ", [("a", 1), ("circle", 2)], (3, 2))],
         picture=Path("out/caption_exits.png"),
     )
@@ -57,6 +69,10 @@ def test_demo_lines_say_the_report_in_words():
         "Each task's test split through the full and the early-exit model, same inputs (2 CPU threads):",
         "  vqa        accuracy 0.500 -> 0.490 (98.0% of full) | expected time reduction 40% | wall clock 2.00 s -> "
         "1.50 s (25% less) | layers: image 3.00, text 2.50, decoder 1.25 per token (of 4 / 4)",
+        "  caption    accuracy 0.500 -> 0.490 (98.0% of full) | expected time reduction 40% | wall clock 2.00 s -> "
+        "1.50 s (25% less) | layers: image 3.00, text 2.50, decoder 1.25 per token (of 4 / 4)\n"
+        "             speculative (lossless): the full model's outputs, 2.00 s -> 1.60 s (1.25x), 80% of drafts "
+        "accepted, 3.5 tokens per round",
         "Examples (each token with the decoder layer it exited after):",
         "  [caption] what does the image describe? -> a(1) circle(2)  (encoder layers: image 3, text 2)",
         "The captions' exit layers, as a picture: out/caption_exits.png",

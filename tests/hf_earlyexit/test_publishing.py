@@ -45,6 +45,7 @@ CODE_FILES = {
     "generation_early_exit.py",
     "processing_ofa.py",
     "row_exits.py",
+    "speculative.py",
 }
 
 
