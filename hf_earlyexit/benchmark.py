@@ -452,10 +452,9 @@ def task_benchmark(
 
 def speculative_report(runs: dict[str, TaskRun], seconds: dict[str, float]) -> dict:
     """Speculative mode against the full model: whether its outputs are the full model's, its speedup, and how its
-    drafts fared. A round ends with one token of the full model's own (the one after the accepted drafts), so rounds
-    = tokens - accepted drafts."""
+    drafts fared (per round: drafts, then one verification)."""
     run, full = runs["speculative"], runs["full"]
-    rounds = max(run.tokens - run.accepted, 1)
+    rounds = max(run.rounds, 1)
     return {
         "same_outputs_as_full": run.predictions == full.predictions,
         "speedup_over_full": round(seconds["full"] / seconds["speculative"], 3),

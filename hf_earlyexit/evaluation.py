@@ -75,7 +75,8 @@ def run_knobs(model, full: bool = False, **given: Any) -> dict[str, Any]:
 class TaskRun:
     """predictions: one text per sample. encoder_exit_layers [N, 2]: layers run per (image, text) stream.
     decoder_exit_layers [N, T]: layers run per generated token, 0 past the sample's end. seconds: wall clock.
-    drafted / accepted: speculative mode's drafted and accepted tokens (0 otherwise)."""
+    drafted / accepted / rounds: speculative mode's drafted and accepted tokens and rounds, summed over the rows (0
+    otherwise)."""
 
     predictions: list[str]
     encoder_exit_layers: torch.Tensor
@@ -83,6 +84,7 @@ class TaskRun:
     seconds: float
     drafted: int = 0
     accepted: int = 0
+    rounds: int = 0
 
     @property
     def tokens(self) -> int:
@@ -100,6 +102,7 @@ class TaskRun:
             sum(run.seconds for run in runs),
             sum(run.drafted for run in runs),
             sum(run.accepted for run in runs),
+            sum(run.rounds for run in runs),
         )
 
 
@@ -120,12 +123,12 @@ def run_batch(
     past_end = (ended.cumsum(dim=1) - ended.long()) > 0  # tokens after the first </s> are padding
     decoder_layers = out.exit_layers.masked_fill(past_end.to(out.exit_layers.device), 0).cpu()
     predictions = [text.strip() for text in processor.batch_decode(out.sequences, skip_special_tokens=True)]
-    drafted, accepted = (
-        (int(out.drafted_tokens.sum()), int(out.accepted_tokens.sum()))
+    counts = (
+        (int(out.drafted_tokens.sum()), int(out.accepted_tokens.sum()), int(out.speculative_rounds.sum()))
         if getattr(out, "drafted_tokens", None) is not None
-        else (0, 0)
+        else (0, 0, 0)
     )
-    return TaskRun(predictions, out.encoder_exit_layers.cpu(), decoder_layers, seconds, drafted, accepted)
+    return TaskRun(predictions, out.encoder_exit_layers.cpu(), decoder_layers, seconds, *counts)
 
 
 def run_task(model, processor, inputs: TaskInputs, knobs: dict[str, Any] | None = None, **generate_kwargs) -> TaskRun:

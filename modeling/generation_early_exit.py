@@ -189,14 +189,15 @@ class EarlyExitGenerateOutput(GenerateEncoderDecoderOutput):
     exit_layers: [rows, new_tokens], decoder layers run for each generated token (speculative mode: the draft's
         layer for an accepted draft, the full depth for the full model's own tokens).
     encoder_exit_layers: [rows, 2], encoder layers run for (image, text); both equal for a joint encoder.
-    drafted_tokens / accepted_tokens: [rows], speculative mode only: the tokens each row drafted, and how many of
-        them the full model accepted.
+    drafted_tokens / accepted_tokens / speculative_rounds: [rows], speculative mode only: the tokens each row
+        drafted, how many of them the full model accepted, and the rounds (draft, then verify) it took.
     """
 
     exit_layers: torch.LongTensor | None = None
     encoder_exit_layers: torch.LongTensor | None = None
     drafted_tokens: torch.LongTensor | None = None
     accepted_tokens: torch.LongTensor | None = None
+    speculative_rounds: torch.LongTensor | None = None
 
 
 @dataclass
@@ -268,6 +269,7 @@ class EarlyExitGenerationMixin(GenerationMixin):
             exit_layers=result.exit_layers,
             drafted_tokens=result.drafted,
             accepted_tokens=result.accepted,
+            speculative_rounds=result.rounds,
         )
 
     def _validate_model_kwargs(self, model_kwargs: dict[str, Any]):

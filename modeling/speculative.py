@@ -210,6 +210,7 @@ class SpeculativeDecoding:
     processors: Callable
     do_sample: bool
     pad_token_id: int
+    eos_token_ids: torch.Tensor | None  # a row that drafts one stops drafting: nothing after it would be kept
 
     @property
     def depth(self) -> int:
@@ -261,12 +262,14 @@ class SpeculativeDecoding:
         going = torch.zeros_like(inputs, dtype=torch.bool)
         going[rows] = True
         drafts, kept, caps = [], torch.zeros_like(inputs), torch.full_like(inputs, self.depth)
+        feed = True  # whether the verification feeds `inputs`: not when every row left the last step's output
         for offset in range(k):
             controller = CappedDraft(self.drafting.decoder, caps)
             logits, exit_layers = self.draft(inputs, slots, controller)
             forced = set(controller.forced_rows())
             drafting = [row for row in drafting if row not in forced]
             if not drafting:
+                feed = False
                 break
             going[list(forced)] = False
             caps = torch.minimum(caps, exit_layers)
@@ -275,8 +278,14 @@ class SpeculativeDecoding:
             tokens.write(drafting, offset, picked)
             drafts.append(Draft(picked, logits, scores, exit_layers))
             kept += going.long()
+            if self.eos_token_ids is not None:
+                ended = set((torch.isin(picked, self.eos_token_ids) & going).nonzero()[:, 0].tolist())
+                drafting = [row for row in drafting if row not in ended]
+                going[list(ended)] = False
             inputs = torch.where(going, picked, self.pad_token_id)
-        self.verify(inputs if drafting else None, slots)
+            if not drafting:
+                break
+        self.verify(inputs if feed else None, slots)
         p_logits = self.verified_logits(drafts, start)
         p_scores = torch.stack(
             [
@@ -316,13 +325,15 @@ class SpeculativeDecoding:
 class SpeculativeOutput:
     """What a speculative call returns: `sequences` [batch, T] (decoder input then new tokens, padded), per new token
     its `exit_layers` [batch, new] (the draft's layer for an accepted draft, the depth for the full model's own
-    tokens; 0 past a row's end), per row the tokens `drafted` and `accepted` [batch], and with `output_scores` /
+    tokens; 0 past a row's end), per row the tokens `drafted` and `accepted` and the `rounds` it took [batch], and
+    with `output_scores` /
     `output_logits` the full model's processed scores / raw logits per new token (tuples of [batch, vocab])."""
 
     sequences: torch.Tensor
     exit_layers: torch.Tensor
     drafted: torch.Tensor
     accepted: torch.Tensor
+    rounds: torch.Tensor
     scores: tuple[torch.Tensor, ...] | None = None
     logits: tuple[torch.Tensor, ...] | None = None
 
@@ -336,6 +347,7 @@ class RoundLog:
         self.logits: list[list[torch.Tensor]] | None = [[] for _ in range(batch)] if keep_logits else None
         self.drafted = [0] * batch
         self.accepted = [0] * batch
+        self.rounds = [0] * batch
 
     def add(self, row: int, result: RoundResult, index: int) -> None:
         self.exit_layers[row].append(int(result.exit_layers[row, index]))
@@ -353,6 +365,7 @@ class RoundLog:
             exit_layers.to(device),
             torch.tensor(self.drafted, device=device),
             torch.tensor(self.accepted, device=device),
+            torch.tensor(self.rounds, device=device),
             per_step(self.scores, longest),
             per_step(self.logits, longest),
         )
@@ -384,6 +397,7 @@ def speculative_generate(
         logits_processor,
         generation_config.do_sample,
         pad,
+        generation_config._eos_token_tensor,
     )
     draft_tokens = generation_config.num_assistant_tokens or DEFAULT_DRAFT_TOKENS
     adaptive = generation_config.num_assistant_tokens_schedule in ("heuristic", "heuristic_transient")
@@ -428,6 +442,7 @@ def commit_round(
     [batch] and the rows still generating."""
     for row in rows:
         log.drafted[row] += int(result.drafted[row])
+        log.rounds[row] += 1
         count = int(result.accepted[row]) + 1
         tokens.buffer[row, tokens.lengths[row] : tokens.lengths[row] + count] = result.tokens[row, :count]
     going, appended = list(rows), [0] * len(tokens.lengths)

@@ -100,6 +100,8 @@ def test_exit_layers_and_acceptance_statistics(model):
     # A token came from a draft (layer 2) or from the full model (every layer): the drafts are the accepted ones.
     assert set(out.exit_layers[generated].unique().tolist()) <= {2, DEPTH}
     assert torch.equal((out.exit_layers == 2).sum(dim=1), out.accepted_tokens)
+    # Each round ends with the full model's own token, unless the row ended on an accepted draft.
+    assert bool((out.speculative_rounds >= (out.exit_layers == DEPTH).sum(dim=1)).all())
 
 
 @pytest.mark.parametrize("warpers", [{}, {"temperature": 0.7, "top_k": 5}])
