@@ -176,7 +176,7 @@ def evaluate_task(
             run.encoder_exit_layers, run.decoder_exit_layers, costs, config.encoder_layers, config.decoder_layers, batch
         )
 
-    return {
+    report = {
         "task": inputs.task.name,
         "split": split,
         "samples": inputs.samples,
@@ -187,6 +187,10 @@ def evaluate_task(
         "expected_time_reduction_flops_per_row": reduction(1),
         "seconds": run.seconds,
     }
+    if (knobs or {}).get("exit_mode") == "speculative":  # the verification runs every layer a draft skipped
+        report.update(expected_time_reduction_flops=None, expected_time_reduction_flops_per_row=None)
+        report.update(drafted_tokens=run.drafted, accepted_tokens=run.accepted, speculative_rounds=run.rounds)
+    return report
 
 
 @torch.no_grad()

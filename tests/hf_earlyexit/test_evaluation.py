@@ -93,6 +93,11 @@ def test_evaluate_task_reports_scores_and_the_flops_time_reduction():
     assert report["expected_time_reduction_flops"] <= report["expected_time_reduction_flops_per_row"]
     full = evaluate_task(model, processor, "vqa", split="validation", samples=4, batch_size=2)
     assert full["settings"] == {} and full["expected_time_reduction_flops"] == 0
+    speculative = {**knobs, "exit_mode": "speculative"}
+    report = evaluate_task(model, processor, "vqa", split="validation", samples=4, batch_size=2, knobs=speculative)
+    assert report["scores"] == full["scores"]  # the full model's answers
+    assert report["expected_time_reduction_flops"] is None  # the verification runs what the drafts skipped
+    assert report["drafted_tokens"] >= report["accepted_tokens"] and report["speculative_rounds"] >= 4
 
 
 def test_caption_images_gives_one_caption_per_image():
