@@ -30,6 +30,10 @@ from torch.profiler import record_function
 from .exit_controllers import ExitController, ExitState, checked_decision
 
 DEFAULT_DRAFT_TOKENS = 4  # when the generation config leaves `num_assistant_tokens` unset
+# A round goes on drafting only while more than this fraction of its rows still draft: a step costs the batch about
+# what it costs one row, so the rows that stopped would ride along. Measured on the embedded model's captions at
+# batch 8 and 16: 0.7x the full model when rounds ran until every row stopped, 0.9x with this rule.
+ROUND_GOES_ON = 0.9
 
 
 @dataclass
@@ -255,7 +259,8 @@ class SpeculativeDecoding:
 
         A row stops drafting when its controller is not ready by its cap (the shallowest exit of its round so far):
         that draft would be poor, and going deeper would first run the skipped layers on its earlier drafts one
-        token at a time. The verification gives the full model's token in its place."""
+        token at a time. The verification gives the full model's token in its place. The round ends for every row
+        once at most `ROUND_GOES_ON` of them still draft."""
         start = self.cache.get_seq_length()
         tokens.grow(max(tokens.lengths) + k + 1)
         drafting = list(rows)
@@ -283,7 +288,7 @@ class SpeculativeDecoding:
                 drafting = [row for row in drafting if row not in ended]
                 going[list(ended)] = False
             inputs = torch.where(going, picked, self.pad_token_id)
-            if not drafting:
+            if len(drafting) <= ROUND_GOES_ON * len(rows):  # the rows that stopped would ride along for nothing
                 break
         self.verify(inputs if feed else None, slots)
         p_logits = self.verified_logits(drafts, start)
