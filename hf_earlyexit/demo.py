@@ -103,8 +103,9 @@ def exit_examples(model, processor, knobs: dict[str, Any], task: str, count: int
     examples = []
     for row, prompt in enumerate(prompts):
         generated = zip(out.sequences[row, 1:].tolist(), out.exit_layers[row].tolist(), strict=True)
-        tokens = [(processor.tokenizer.decode([token]).strip(), int(layer)) for token, layer in generated
-                  if token not in special]  # fmt: skip
+        decoded = [(processor.tokenizer.decode([token]).strip(), int(layer)) for token, layer in generated
+                   if token not in special]  # fmt: skip
+        tokens = [(text, layer) for text, layer in decoded if text]  # a lone space token shows as nothing
         image_layers, text_layers = out.encoder_exit_layers[row].tolist()
         examples.append(ExitExample(task, prompt, tokens, (image_layers, text_layers)))
     return examples

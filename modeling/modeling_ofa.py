@@ -1586,7 +1586,10 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
         self.decoder = OFADecoder(config)
         self.post_init()
 
-    def get_encoder(self) -> OFAEncoder:
+    def get_encoder(self, modality: str | None = None) -> OFAEncoder:
+        """The encoder, for any `modality` it reads: OFA has one encoder for image and text."""
+        if modality not in (None, "image", "text"):
+            raise ValueError(f"OFA encodes images and text, not {modality!r}.")
         return self.encoder
 
     def get_decoder(self) -> OFADecoder:

@@ -23,6 +23,7 @@ def test_run_demo_reports_each_task_and_the_examples_token_by_token(tmp_path, ca
     assert [example.task for example in report.examples] == ["vqa", "caption", "caption"]
     for example in report.examples:
         assert example.tokens and all(1 <= layer <= report.decoder_layers for _, layer in example.tokens)
+        assert all(text for text, _ in example.tokens)  # no empty token printed as "(1)"
         assert all(1 <= layers <= report.encoder_layers for layers in example.encoder_layers)
     assert report.picture == tmp_path / "caption_exits.png" and report.picture.stat().st_size > 0
 

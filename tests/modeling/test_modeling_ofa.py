@@ -359,3 +359,10 @@ def test_layerdrop_skips_the_same_layers_in_both_encoder_streams():
         assert torch.isfinite(out.loss)
         depths.add(len(out.encoder_hidden_states))
     assert len(depths) > 1  # layers were really dropped, and the two streams always agreed on which
+
+
+def test_get_encoder_takes_the_base_class_modality():
+    model = tiny_model()
+    assert model.get_encoder() is model.get_encoder(modality="image") is model.get_encoder("text") is model.encoder
+    with pytest.raises(ValueError, match="not 'audio'"):
+        model.get_encoder(modality="audio")
