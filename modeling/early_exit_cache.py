@@ -213,11 +213,8 @@ class EarlyExitCache(DynamicCache):
                 self.waiting_layers.discard(layer_idx)
             return None
         length = waiting.shape[1]
-        if (
-            len(rows) == self.frontier.shape[0]
-            and bool(waiting[:, length - width :].all())
-            and bool((counts == width).all())
-        ):
+        # Every row waiting at all of the last `width` slots means every row waits exactly there (no row waits more).
+        if len(rows) == self.frontier.shape[0] and bool(waiting[:, length - width :].all()):
             return None, self.pending[:, length - width :], slice(length - width, length)
         has_pending = counts > 0
         rows, waiting, counts = rows[has_pending], waiting[has_pending], counts[has_pending]
