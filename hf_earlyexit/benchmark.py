@@ -328,14 +328,20 @@ def measure_part_costs(model, inputs: TaskInputs, repeats: int = 3) -> PartCosts
 
 
 def paired_seconds(
-    functions: dict[str, Callable[[int], object]], batches: int, repeats: int, device: torch.device
+    functions: dict[str, Callable[[int], object]],
+    batches: int,
+    repeats: int,
+    device: torch.device,
+    progress: str | None = None,
 ) -> dict[str, float]:
     """Seconds of each function over batches 0..batches-1: per batch, every function back to back, `repeats` rounds
     after a warm-up round, the order reversed in every other round; the sum over batches of each batch's median.
     Pairing at the batch, milliseconds apart, keeps a shared machine's drift out of the ratios: on ours, whole-split
-    runs minutes apart moved by up to 20%."""
+    runs minutes apart moved by up to 20%. `progress`: a progress bar's description (None: no bar)."""
+    from tqdm.auto import tqdm
+
     seconds = dict.fromkeys(functions, 0.0)
-    for index in range(batches):
+    for index in tqdm(range(batches), desc=progress, disable=progress is None):
         for name, values in round_seconds(functions, index, repeats, device).items():
             seconds[name] += statistics.median(values)
     return seconds

@@ -89,13 +89,16 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from .calibration import ENCODER_THRESHOLDS, calibrate
+    if args.exit_mode == "speculative":
+        calibrate_drafts(args)
+        return
+    from .calibration import DECODER_THRESHOLDS, ENCODER_THRESHOLDS, calibrate
     from .plots import tradeoff_plot
 
+    args.samples, args.batch_size = args.samples or 300, args.batch_size or 64
     check_samples(args)
     encoder_thresholds = parse_floats(args.encoder_thresholds) if args.encoder_thresholds else ENCODER_THRESHOLDS
-    decoder_thresholds = {policy: parse_floats(text) for policy, text in (("similarity", args.similarity_thresholds),
-                          ("confidence", args.confidence_thresholds)) if text}  # fmt: skip
+    decoder_thresholds = policy_thresholds(args, DECODER_THRESHOLDS)
     batch_rules = [
         non_default_knobs({"exit_token_layer": layer, "batch_stop_fraction": fraction})
         for layer in parse_list(args.exit_token_layers, str, "--exit-token-layers must be comma-separated names")
@@ -112,6 +115,40 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         progress=not args.quiet,
     )  # fmt: skip
     print_report(report, args.json)
+
+
+def calibrate_drafts(args: argparse.Namespace) -> None:
+    """`calibrate --exit-mode speculative`: the drafts and draft length with the most tokens per second."""
+    from .draft_calibration import DRAFT_THRESHOLDS, calibrate_drafts, drafting_grid
+
+    unused = [
+        flag for flag, value in (("--encoder-thresholds", args.encoder_thresholds), ("--plot", args.plot)) if value
+    ]
+    if unused:
+        raise ValueError(f"{unused} have no meaning with --exit-mode speculative, whose output is the full model's.")
+    args.samples, args.batch_size = args.samples or 64, args.batch_size or 1
+    check_samples(args)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be positive, got {args.repeats}.")
+    thresholds = policy_thresholds(args, DRAFT_THRESHOLDS)
+    draft_tokens = parse_list(args.draft_tokens, int, "--draft-tokens must be comma-separated integers")
+    drafting_grid(thresholds, draft_tokens)  # checked before the model loads
+    model, processor = load_model_and_processor(args.model_dir)
+    report = calibrate_drafts(
+        model, processor, args.tasks.split(","), args.split, args.samples, args.batch_size, thresholds, draft_tokens,
+        args.repeats, write_to=args.model_dir if args.write else None, progress=not args.quiet,
+    )  # fmt: skip
+    print_report(report, args.json)
+
+
+def policy_thresholds(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str, list[float]]:
+    """The decoder policies' thresholds to sweep: `--similarity-thresholds` / `--confidence-thresholds`, else the
+    mode's `defaults`; an empty option leaves its policy out."""
+    given = {"similarity": args.similarity_thresholds, "confidence": args.confidence_thresholds}
+    chosen = {
+        policy: text if text is not None else ",".join(map(str, defaults[policy])) for policy, text in given.items()
+    }
+    return {policy: parse_floats(text) for policy, text in chosen.items() if text}
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -191,6 +228,8 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
         choices=EXIT_MODES,
         help="exit (lossy) or speculative (the full model's output)",
     )
+    parser.add_argument("--draft-exit-policy", dest="draft_exit_policy", choices=POLICY_NAMES, help="speculative")
+    parser.add_argument("--draft-exit-threshold", dest="draft_exit_threshold", type=float, help="speculative drafts")
     parser.add_argument("--full", action="store_true", help="the full model (no exit)")
 
 
@@ -297,8 +336,20 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--tolerance", type=float, default=0.01, help="quality loss allowed (default 0.01 = 1%%)")
     calibrate.add_argument("--delta", type=float, default=0.1, help="Learn-then-Test error level (default 0.1)")
     calibrate.add_argument("--encoder-thresholds", help="encoder streams' similarity thresholds, comma-separated")
-    calibrate.add_argument("--similarity-thresholds", default="0.95,0.98", help="decoder, similarity policy")
-    calibrate.add_argument("--confidence-thresholds", default="0.6,0.8,0.9,0.95", help="decoder, confidence")
+    calibrate.add_argument(
+        "--similarity-thresholds", help="decoder, similarity policy ('' = none; default 0.95,0.98, drafts 0.9,0.95)"
+    )
+    calibrate.add_argument(
+        "--confidence-thresholds", help="decoder, confidence ('' = none; default 0.6,0.8,0.9,0.95, drafts 0.2-0.8)"
+    )
+    calibrate.add_argument(
+        "--exit-mode",
+        choices=EXIT_MODES,
+        default="exit",
+        help="exit: lossy thresholds by quality and time; speculative: the drafts with the most tokens/s",
+    )
+    calibrate.add_argument("--draft-tokens", default="4,8", help="speculative: draft lengths to time (default 4,8)")
+    calibrate.add_argument("--repeats", type=int, default=2, help="speculative: timed rounds per batch (default 2)")
     calibrate.add_argument(
         "--exit-token-layers", default="own", help="decoder batch rule to sweep: own, batch or own,batch"
     )
@@ -307,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--write", action="store_true", help="save the choice as the model's generation defaults")
     calibrate.add_argument("--quiet", action="store_true", help="no progress bar")
     calibrate.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
-    add_task_arguments(calibrate, samples=300, batch_size=64)
+    calibrate.add_argument("--samples", type=int, help="samples of each split (default 300; speculative 64)")
+    calibrate.add_argument("--batch-size", type=int, help="default 64; speculative 1 (the choice is for this size)")
     calibrate.set_defaults(run=cmd_calibrate)
 
     bench = commands.add_parser(

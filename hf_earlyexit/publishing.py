@@ -29,7 +29,7 @@ from .modeling.processing_ofa import OFAProcessor
 
 MODEL_TYPE = "ofa_early_exit"
 # Copied from the model folder when present: the calibration sweep and how the model was trained.
-RECORDS = ("calibration.json", "training_recipe.json")
+RECORDS = ("calibration.json", "calibration_speculative.json", "training_recipe.json")
 VALIDATION_IMAGE = "validation_image.png"
 
 

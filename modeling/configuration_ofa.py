@@ -177,6 +177,9 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         exit_mode: "exit" (each token comes from its exit layer: lossy, the fastest) or "speculative" (lossless:
             the exits draft `num_assistant_tokens` tokens, then one pass runs only the layers the drafts skipped and
             keeps the longest prefix the full model agrees with; the output is the full model's).
+        draft_exit_policy / draft_exit_threshold: the decoder's exits while drafting in speculative mode, where the
+            fastest drafts come from lower thresholds than lossy exits keep quality with (`hf-earlyexit calibrate
+            --exit-mode speculative` picks them); None = `exit_policy` / `exit_threshold`.
 
     Exit heads (trained modules that map a decoder layer's output to the input of the shared final LayerNorm and
     output projection; with neither field set, every layer uses the shared head directly, as MuE does):
@@ -248,6 +251,8 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     exit_token_layer: str = "own"
     batch_stop_fraction: float = 1.0
     exit_mode: str = "exit"
+    draft_exit_policy: str | None = None
+    draft_exit_threshold: float | None = None
     exit_adapter_dim: int | None = None
     exit_transformer_layers: list[int] | None = None
 

@@ -44,6 +44,8 @@ EXIT_KNOBS: dict[str, Any] = {
     "exit_token_layer": "own",
     "batch_stop_fraction": 1.0,
     "exit_mode": "exit",
+    "draft_exit_policy": None,
+    "draft_exit_threshold": None,
 }
 # Every knob at its default, i.e. no part exits: passed on top of saved defaults, it asks for the full model.
 NO_EXIT: dict[str, Any] = dict(EXIT_KNOBS)
@@ -64,12 +66,14 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "row_exit": ROW_EXIT_PLANS,
     "exit_token_layer": EXIT_TOKEN_LAYERS,
     "exit_mode": EXIT_MODES,
+    "draft_exit_policy": (*POLICY_NAMES, None),  # None: `exit_policy`
 }
 # Layer knobs: knob -> the config field that bounds it.
 LAYER_BOUNDS: dict[str, str] = {"min_exit_layer": "decoder_layers", "encoder_min_exit_layer": "encoder_layers"}
 # Threshold knobs: knob -> its range (None: the decoder's, checked by its policy's controller).
 THRESHOLD_RANGES: dict[str, tuple[float, float] | None] = {
     "exit_threshold": None,
+    "draft_exit_threshold": None,
     **{f"{part}_exit_threshold": (-1.0, 1.0) for part in ENCODER_PARTS},  # cosine similarities
 }
 

@@ -74,10 +74,9 @@ class EarlyExitSettings:
             controllers.update(custom)
         elif custom is not None:
             controllers["decoder"] = custom
-        if value["exit_threshold"] is not None and "decoder" not in controllers:
-            controllers["decoder"] = make_controller(
-                value["exit_policy"], value["exit_threshold"], value["exit_threshold_schedule"]
-            )
+        decoder = decoder_controller(value, knobs)
+        if decoder is not None and "decoder" not in controllers:
+            controllers["decoder"] = decoder
         for part in ENCODER_PARTS:
             threshold = value[f"{part}_exit_threshold"]
             if threshold is not None and part not in controllers:
@@ -108,8 +107,8 @@ class EarlyExitSettings:
         than their default are a ValueError, since they would be ignored."""
         if self.decoder is None:
             raise ValueError(
-                '`exit_mode="speculative"` drafts with the decoder\'s exits: set `exit_threshold` or an '
-                "`exit_controller` for the decoder."
+                '`exit_mode="speculative"` drafts with the decoder\'s exits: set `draft_exit_threshold`, '
+                "`exit_threshold` or an `exit_controller` for the decoder."
             )
         conflicts = [
             f"{name}={given[name]!r}"
@@ -161,6 +160,25 @@ class EarlyExitSettings:
             controller = getattr(self, part)
             if isinstance(controller, ExitController):
                 controller.reset()
+
+
+def decoder_controller(value: dict[str, Any], given: dict[str, Any]) -> ExitController | None:
+    """The decoder's controller from the resolved knobs `value` (None: no decoder exit). In speculative mode it drafts
+    with `draft_exit_policy` / `draft_exit_threshold` where they are set, unless the call `given` names the decoder's
+    exit (`exit_policy`, `exit_threshold`) and no draft knob: then it drafts with that. The draft knobs are checked
+    in every mode, so a bad saved one fails where it is saved."""
+    policy, threshold, schedule = value["exit_policy"], value["exit_threshold"], value["exit_threshold_schedule"]
+    draft_policy, draft_threshold = value["draft_exit_policy"] or policy, value["draft_exit_threshold"]
+    if draft_threshold is not None:
+        try:
+            make_controller(draft_policy, draft_threshold, schedule)
+        except ValueError as error:
+            raise ValueError(f"`draft_exit_threshold`: {error}") from None
+    call_names_exit = bool({"exit_policy", "exit_threshold"} & set(given))
+    call_names_draft = bool({"draft_exit_policy", "draft_exit_threshold"} & set(given))
+    if value["exit_mode"] == "speculative" and (call_names_draft or not call_names_exit):
+        policy, threshold = draft_policy, threshold if draft_threshold is None else draft_threshold
+    return None if threshold is None else make_controller(policy, threshold, schedule)
 
 
 @dataclass

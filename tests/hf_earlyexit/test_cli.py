@@ -229,9 +229,24 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     assert report["dtype"] == "bfloat16" and report["full"]["seconds"] > 0
 
 
+def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys):
+    argv = ["calibrate", str(task_model_dir), "--tasks", "caption", "--samples", "2", "--exit-mode", "speculative"]
+    thresholds = ["--confidence-thresholds", "0.0", "--similarity-thresholds", "", "--draft-tokens", "2,3"]
+    assert main([*argv, *thresholds, "--repeats", "1", "--quiet", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_mode"] == "speculative" and report["batch_size"] == 1 and report["points"] == 2
+    points = report["tasks"]["caption"]["points"]
+    assert {point["settings"]["num_assistant_tokens"] for point in points} == {2, 3}
+    assert all(point["same_outputs_as_full"] for point in points)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["calibrate", "{m}", "--exit-mode", "speculative", "--plot", "p.png"], "no meaning with --exit-mode"),
+        (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-tokens", "0"], "num_assistant_tokens"),
+        (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-tokens", "a"], "comma-separated integers"),
+        (["calibrate", "{m}", "--exit-mode", "speculative", "--repeats", "0"], "--repeats must be positive"),
         (["eval", "{t}/nowhere", "--task", "vqa"], "not a model folder"),
         (["bench", "{m}", "--task", "vqa", "--samples", "2"], "No exit setting"),
         (["bench", "{m}", "--task", "vqa", "--samples", "2", "--kv-strategy", "copy"], "No exit setting"),

@@ -217,6 +217,44 @@ def test_speculative_can_be_the_saved_default(model):
     assert torch.equal(out.sequences, expected)
 
 
+def test_saved_draft_knobs_drive_the_drafts_and_only_them(model):
+    saved = dict(exit_policy="confidence", exit_threshold=1.0, draft_exit_threshold=0.0)  # lossy: never ready
+    for name, value in saved.items():
+        setattr(model.generation_config, name, value)
+    inputs = mixed_lengths(2)
+    try:
+        with torch.no_grad():
+            drafting = model.generate(
+                **inputs, max_new_tokens=NEW_TOKENS, exit_mode="speculative", return_dict_in_generate=True
+            )
+            lossy = model.generate(**inputs, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True)
+            named = model.generate(
+                **inputs,
+                max_new_tokens=NEW_TOKENS,
+                exit_mode="speculative",
+                exit_threshold=1.0,
+                return_dict_in_generate=True,
+            )
+    finally:
+        for name in saved:
+            delattr(model.generation_config, name)
+    assert int(drafting.drafted_tokens.sum()) > 0
+    assert set(drafting.exit_layers[drafting.exit_layers > 0].tolist()) <= {1, DEPTH}  # drafts at the first layer
+    assert torch.equal(drafting.sequences, full_greedy(model, inputs))
+    assert set(lossy.exit_layers[lossy.exit_layers > 0].tolist()) == {DEPTH}  # the draft knobs leave lossy mode be
+    assert set(named.exit_layers[named.exit_layers > 0].tolist()) == {DEPTH}  # a call naming the exit drafts with it
+
+
+def test_a_bad_saved_draft_threshold_is_refused_in_every_mode(model):
+    model.generation_config.exit_policy, model.generation_config.draft_exit_threshold = "confidence", 1.5
+    try:
+        for mode in ("exit", "speculative"):
+            with pytest.raises(ValueError, match="draft_exit_threshold"):
+                model.generate(**mixed_lengths(1), max_new_tokens=3, exit_mode=mode, exit_controller=FixedLayerExit(1))
+    finally:
+        del model.generation_config.exit_policy, model.generation_config.draft_exit_threshold
+
+
 @pytest.mark.parametrize(
     ("knobs", "message"),
     [
@@ -230,6 +268,7 @@ def test_speculative_can_be_the_saved_default(model):
         (dict(exit_mode="speculative", exit_threshold=0.5, encoder_exit_threshold=0.9), "encoder_exit_threshold"),
         (dict(exit_mode="speculative", exit_threshold=0.5, output_hidden_states=True), "output_hidden_states"),
         (dict(exit_mode="lossless"), "exit_mode"),
+        (dict(exit_mode="speculative", draft_exit_policy="random", draft_exit_threshold=0.5), "draft_exit_policy"),
     ],
 )
 def test_refusals_name_the_knob(model, knobs, message):

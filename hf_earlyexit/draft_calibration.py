@@ -1,0 +1,208 @@
+"""Choosing speculative mode's drafts by the clock: which decoder exit drafts (`draft_exit_policy`,
+`draft_exit_threshold`) and how many tokens a round drafts (`num_assistant_tokens`).
+
+Speculative mode's output is the full model's whatever drafts it, so there is no quality to trade: the choice is the
+setting with the most tokens per second, timed beside the full model on the same batches. Lower thresholds than
+lossy exits can afford pay here (a poor draft costs one rejected token, not a wrong answer). `calibrate_drafts` is
+the run behind `hf-earlyexit calibrate --exit-mode speculative`.
+"""
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .benchmark import paired_seconds
+from .calibration import write_generation_defaults
+from .evaluation import TaskRun, run_batch, task_inputs
+
+# The default grid: lower thresholds than `calibration.DECODER_THRESHOLDS`, since a draft only has to be right
+# often enough; on the embedded model confidence 0.3-0.4 drafts fastest.
+DRAFT_THRESHOLDS = {"confidence": (0.2, 0.4, 0.6, 0.8), "similarity": (0.9, 0.95)}
+DRAFT_TOKENS = (4, 8)
+DRAFT_LENGTH = "num_assistant_tokens"  # Transformers' own field for an assistant's draft length
+
+
+@dataclass
+class DraftingPoint:
+    """One drafting setting timed on a task against the full model.
+
+    settings: `generate` kwargs (`draft_exit_policy`, `draft_exit_threshold`, `num_assistant_tokens`).
+    seconds / full_seconds: the split's wall clock in speculative mode and the full model's, paired per batch.
+    tokens: the tokens generated. same_outputs: whether every output is the full model's (it must be).
+    drafted / accepted / rounds: speculative mode's statistics, summed over the samples.
+    """
+
+    settings: dict[str, Any]
+    seconds: float
+    full_seconds: float
+    tokens: int
+    same_outputs: bool
+    drafted: int
+    accepted: int
+    rounds: int
+
+    @property
+    def speedup(self) -> float:
+        """The full model's seconds over this setting's: its tokens per second relative to the full model's."""
+        return self.full_seconds / self.seconds
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "settings": self.settings,
+            "speedup_over_full": round(self.speedup, 3),
+            "tokens_per_second": round(self.tokens / self.seconds, 2),
+            "same_outputs_as_full": self.same_outputs,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+            "tokens_per_round": round(self.tokens / max(self.rounds, 1), 3),
+        }
+
+
+def drafting_grid(
+    thresholds: dict[str, Sequence[float]] = DRAFT_THRESHOLDS, draft_tokens: Sequence[int] = DRAFT_TOKENS
+) -> list[dict[str, Any]]:
+    """Every (policy, threshold) x draft length as `generate` kwargs; ValueError on a draft length below 1."""
+    if not draft_tokens or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in draft_tokens):
+        raise ValueError(f"Draft lengths (`num_assistant_tokens`) must be positive integers, got {list(draft_tokens)}.")
+    return [
+        {"draft_exit_policy": policy, "draft_exit_threshold": threshold, DRAFT_LENGTH: k}
+        for policy, values in thresholds.items()
+        for threshold in values
+        for k in draft_tokens
+    ]
+
+
+def time_drafts(
+    model, processor, inputs, grid: Sequence[dict[str, Any]], repeats: int = 2, progress: bool = True
+) -> list[DraftingPoint]:
+    """Each setting of `grid` in speculative mode and the full model on the same batches, every one back to back per
+    batch (`benchmark.paired_seconds`, so a shared machine's drift stays out of the ratios)."""
+    settings = {"full": {}} | {json.dumps(knobs): {"exit_mode": "speculative", **knobs} for knobs in grid}
+    runs: dict[str, list[TaskRun | None]] = {name: [None] * len(inputs.batches) for name in settings}
+
+    def timed(name: str):
+        def run(index: int) -> None:
+            runs[name][index] = run_batch(model, processor, inputs.task, inputs.batches[index], settings[name])
+
+        return run
+
+    progress_bar = f"timing drafts on {inputs.task.name}" if progress else None
+    functions = {name: timed(name) for name in settings}
+    seconds = paired_seconds(functions, len(inputs.batches), repeats, model.device, progress_bar)
+    whole = {name: TaskRun.concatenate(batch_runs) for name, batch_runs in runs.items()}
+    full = whole.pop("full")
+    return [
+        DraftingPoint(
+            settings=json.loads(name),
+            seconds=seconds[name],
+            full_seconds=seconds["full"],
+            tokens=run.tokens,
+            same_outputs=run.predictions == full.predictions,
+            drafted=run.drafted,
+            accepted=run.accepted,
+            rounds=run.rounds,
+        )
+        for name, run in whole.items()
+    ]
+
+
+def fastest_drafts(timings: dict[str, Sequence[DraftingPoint]]) -> dict[str, Any] | None:
+    """One drafting setting for several tasks: among those that gave the full model's outputs and were at least as
+    fast as the full model on every task, the one with the largest geometric-mean speedup; None if none was."""
+    by_setting: dict[str, list[DraftingPoint]] = {}
+    for points in timings.values():
+        for point in points:
+            if point.same_outputs and point.speedup >= 1:
+                by_setting.setdefault(json.dumps(point.settings, sort_keys=True), []).append(point)
+    complete = {key: points for key, points in by_setting.items() if len(points) == len(timings)}
+    best = max(
+        complete.items(),
+        key=lambda item: sum(math.log(point.speedup) for point in item[1]),
+        default=None,
+    )
+    return None if best is None else json.loads(best[0])
+
+
+def write_drafting_defaults(model, settings: dict[str, Any]) -> None:
+    """Make `settings` speculative mode's saved drafts: the draft knobs and `num_assistant_tokens` go to the
+    generation config (the lossy exit defaults and `exit_mode` stay as they are). ValueError on a bad value."""
+    draft_tokens = settings.get(DRAFT_LENGTH)
+    if draft_tokens is not None:
+        drafting_grid({}, [draft_tokens])  # checks it
+    write_generation_defaults(model, {name: value for name, value in settings.items() if name != DRAFT_LENGTH})
+    if draft_tokens is not None:
+        model.generation_config.num_assistant_tokens = draft_tokens
+
+
+def calibrate_drafts(
+    model,
+    processor,
+    tasks: Sequence[str],
+    split: str = "validation",
+    samples: int = 64,
+    batch_size: int = 1,
+    thresholds: dict[str, Sequence[float]] = DRAFT_THRESHOLDS,
+    draft_tokens: Sequence[int] = DRAFT_TOKENS,
+    repeats: int = 2,
+    write_to: str | Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Time every drafting setting of `thresholds` x `draft_tokens` on each task's first `samples` rows of `split`
+    in batches of `batch_size` (the choice is for that batch size: speculative mode pays most at batch 1), and choose
+    the fastest on every task (`fastest_drafts`). Returns the JSON report `hf-earlyexit calibrate --exit-mode
+    speculative` prints: per task the full model's tokens per second and every setting's point, fastest first.
+
+    write_to: the model's folder, where the choice is saved as speculative mode's defaults (`write_drafting_defaults`)
+        and the report as calibration_speculative.json; ValueError, and nothing written, when no setting was at least
+        as fast as the full model on every task.
+    """
+    grid = drafting_grid(thresholds, draft_tokens)
+    if not grid:
+        raise ValueError("No drafting setting to time: give at least one policy with a threshold.")
+    report: dict[str, Any] = {
+        "exit_mode": "speculative",
+        "split": split,
+        "batch_size": batch_size,
+        "repeats": repeats,
+        "points": len(grid),
+        "tasks": {},
+    }
+    timings = {}
+    for name in tasks:
+        inputs = task_inputs(name, processor, split, samples, batch_size, model.device)
+        timings[name] = time_drafts(model, processor, inputs, grid, repeats, progress)
+        full = timings[name][0]
+        report["tasks"][name] = {
+            "full_seconds": round(full.full_seconds, 4),
+            "full_tokens_per_second": round(full.tokens / full.full_seconds, 2),
+            "points": [point.report() for point in sorted(timings[name], key=lambda p: -p.speedup)],
+        }
+    report["chosen"] = chosen = fastest_drafts(timings)
+    for name, points in timings.items():
+        point = next((p for p in points if p.settings == chosen), None)
+        report["tasks"][name]["chosen"] = None if point is None else point.report()
+    if write_to is not None:
+        if chosen is None:
+            raise ValueError(
+                f"No drafting setting was as fast as the full model on every task at batch size {batch_size}: "
+                "nothing written."
+            )
+        write_drafting_defaults(model, chosen)
+        model.generation_config.save_pretrained(write_to)
+        Path(write_to, "calibration_speculative.json").write_text(json.dumps(report, indent=2) + "\n")
+        report["written_to"] = str(Path(write_to, "generation_config.json"))
+    return report
+
+
+__all__ = [
+    "DRAFT_THRESHOLDS",
+    "DRAFT_TOKENS",
+    "DraftingPoint",
+    "calibrate_drafts",
+    "drafting_grid",
+    "fastest_drafts",
+    "time_drafts",
+    "write_drafting_defaults",
+]

@@ -1,0 +1,91 @@
+"""Choosing speculative mode's drafts by the clock: the choice rule on synthetic timings, the grid, the run on a
+tiny model and the saved defaults."""
+
+import json
+
+import pytest
+import torch
+
+from hf_earlyexit.draft_calibration import (
+    DraftingPoint,
+    calibrate_drafts,
+    drafting_grid,
+    fastest_drafts,
+    write_drafting_defaults,
+)
+from hf_earlyexit.modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration
+from tests.helpers import tiny_inputs, tiny_model
+from tests.hf_earlyexit.test_evaluation import task_setup
+
+
+def point(threshold: float, seconds: float, same: bool = True) -> DraftingPoint:
+    settings = {"draft_exit_policy": "confidence", "draft_exit_threshold": threshold, "num_assistant_tokens": 4}
+    return DraftingPoint(settings, seconds, 10.0, tokens=100, same_outputs=same, drafted=80, accepted=60, rounds=30)
+
+
+def test_the_fastest_setting_on_every_task_that_never_loses_to_the_full_model():
+    timings = {
+        "caption": [point(0.2, 5.0), point(0.4, 6.0), point(0.6, 9.0)],
+        "vqa": [point(0.2, 10.5), point(0.4, 9.0), point(0.6, 9.5)],  # 0.2 is slower than the full model here
+    }
+    assert fastest_drafts(timings)["draft_exit_threshold"] == 0.4
+    timings["vqa"][1] = point(0.4, 9.0, same=False)  # a setting that changed an output is never chosen
+    assert fastest_drafts(timings)["draft_exit_threshold"] == 0.6
+    assert fastest_drafts({"vqa": [point(0.2, 11.0)]}) is None
+
+
+def test_a_points_report_counts_per_round_and_against_the_full_model():
+    report = point(0.2, 5.0).report()
+    assert report["speedup_over_full"] == 2.0 and report["tokens_per_second"] == 20.0
+    assert report["acceptance_rate"] == 0.75 and report["tokens_per_round"] == round(100 / 30, 3)
+
+
+def test_the_grid_is_every_policy_threshold_and_draft_length():
+    grid = drafting_grid({"confidence": (0.2, 0.4), "similarity": (0.9,)}, (2, 8))
+    assert len(grid) == 6 and {"draft_exit_policy": "similarity", "draft_exit_threshold": 0.9,
+                                "num_assistant_tokens": 8} in grid  # fmt: skip
+    for bad in ((0,), (), (2.5,)):
+        with pytest.raises(ValueError, match="num_assistant_tokens"):
+            drafting_grid({"confidence": (0.2,)}, bad)
+
+
+def test_calibrate_drafts_times_every_setting_beside_the_full_model(tmp_path):
+    model, processor, _ = task_setup("caption", samples=4)
+    report = calibrate_drafts(
+        model, processor, ["caption"], samples=4, batch_size=2, thresholds={"confidence": (0.0, 0.5)},
+        draft_tokens=(2,), repeats=1, progress=False,
+    )  # fmt: skip
+    task = report["tasks"]["caption"]
+    assert report["points"] == 2 and report["batch_size"] == 2 and len(task["points"]) == 2
+    assert all(p["same_outputs_as_full"] for p in task["points"])  # lossless whatever drafts
+    speedups = [p["speedup_over_full"] for p in task["points"]]
+    assert speedups == sorted(speedups, reverse=True) and task["full_tokens_per_second"] > 0
+    # The clock decides, so only the rule is checked: the fastest setting if it kept up with the full model.
+    assert report["chosen"] == (task["points"][0]["settings"] if speedups[0] >= 1 else None)
+    if report["chosen"] is None:
+        with pytest.raises(ValueError, match="nothing written"):
+            calibrate_drafts(
+                model, processor, ["caption"], samples=4, batch_size=2, thresholds={"confidence": (0.5,)},
+                draft_tokens=(2,), repeats=1, write_to=tmp_path, progress=False,
+            )  # fmt: skip
+        assert not (tmp_path / "generation_config.json").exists()
+    with pytest.raises(ValueError, match="No drafting setting"):
+        calibrate_drafts(model, processor, ["caption"], samples=4, thresholds={}, progress=False)
+
+
+def test_saved_drafts_round_trip_and_leave_the_lossy_defaults(tmp_path):
+    model = tiny_model(decoder_layers=4)
+    write_drafting_defaults(model, {"exit_policy": "similarity", "exit_threshold": 0.9})
+    chosen = {"draft_exit_policy": "confidence", "draft_exit_threshold": 0.0, "num_assistant_tokens": 3}
+    write_drafting_defaults(model, chosen)
+    model.save_pretrained(tmp_path)
+    loaded = EarlyExitOFAForConditionalGeneration.from_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert {name: saved[name] for name in chosen} == chosen and saved["exit_threshold"] == 0.9
+    assert "exit_mode" not in saved  # the default mode stays the user's choice
+    with torch.no_grad():
+        out = loaded.generate(**tiny_inputs(batch=1), max_new_tokens=6, exit_mode="speculative",
+                              return_dict_in_generate=True)  # fmt: skip
+    assert set(out.exit_layers[out.exit_layers > 0].tolist()) <= {1, 4}  # confidence 0.0 drafts at layer 1
+    with pytest.raises(ValueError, match="draft_exit_threshold"):
+        write_drafting_defaults(model, {"draft_exit_policy": "confidence", "draft_exit_threshold": 2.0})
