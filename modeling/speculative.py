@@ -267,14 +267,12 @@ class SpeculativeDecoding:
         going = torch.zeros_like(inputs, dtype=torch.bool)
         going[rows] = True
         drafts, kept, caps = [], torch.zeros_like(inputs), torch.full_like(inputs, self.depth)
-        feed = True  # whether the verification feeds `inputs`: not when every row left the last step's output
         for offset in range(k):
             controller = CappedDraft(self.drafting.decoder, caps)
             logits, exit_layers = self.draft(inputs, slots, controller)
             forced = set(controller.forced_rows())
             drafting = [row for row in drafting if row not in forced]
             if not drafting:
-                feed = False
                 break
             going[list(forced)] = False
             caps = torch.minimum(caps, exit_layers)
@@ -290,7 +288,9 @@ class SpeculativeDecoding:
             inputs = torch.where(going, picked, self.pad_token_id)
             if len(drafting) <= ROUND_GOES_ON * len(rows):  # the rows that stopped would ride along for nothing
                 break
-        self.verify(inputs if feed else None, slots)
+        # The last drafts are fed only for rows still drafting: a row that stopped at its cap left its last step's
+        # output waiting, and one that drafted its end token needs nothing after it.
+        self.verify(inputs if bool(going.any()) else None, slots)
         p_logits = self.verified_logits(drafts, start)
         p_scores = torch.stack(
             [
@@ -318,6 +318,8 @@ class SpeculativeDecoding:
         had them."""
         waiting = self.cache.self_attention_cache.pending[:, start : start + len(drafts) + 1]
         verified = self.decoder.exit_logits(waiting).float()  # [batch, k + 1, vocab]
+        if verified.shape[1] == len(drafts):  # the last drafts were end tokens, not fed: nothing follows them
+            verified = torch.cat([verified, torch.zeros_like(verified[:, :1])], dim=1)
         if not drafts:
             return verified
         draft_logits = torch.stack([draft.logits for draft in drafts], dim=1)
