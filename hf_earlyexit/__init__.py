@@ -1,6 +1,13 @@
 """hf-earlyexit: early exits for OFA vision-language encoder-decoders, native in Transformers 5."""
 
-from transformers import AutoConfig, AutoImageProcessor, AutoModel, AutoModelForSeq2SeqLM, AutoProcessor
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoModelForImageTextToText,
+    AutoModelForSeq2SeqLM,
+    AutoProcessor,
+)
 
 from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from .modeling.early_exit_cache import EarlyExitCache
@@ -22,6 +29,7 @@ from .trainers import EarlyExitTrainer, EarlyExitTrainingArguments
 AutoConfig.register(OFAEarlyExitConfig.model_type, OFAEarlyExitConfig, exist_ok=True)
 AutoModel.register(OFAEarlyExitConfig, EarlyExitOFAForConditionalGeneration, exist_ok=True)
 AutoModelForSeq2SeqLM.register(OFAEarlyExitConfig, EarlyExitOFAForConditionalGeneration, exist_ok=True)
+AutoModelForImageTextToText.register(OFAEarlyExitConfig, EarlyExitOFAForConditionalGeneration, exist_ok=True)
 AutoImageProcessor.register(OFAEarlyExitConfig, slow_image_processor_class=OFAImageProcessor, exist_ok=True)
 AutoProcessor.register(OFAEarlyExitConfig, OFAProcessor, exist_ok=True)
 

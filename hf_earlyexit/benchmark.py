@@ -376,10 +376,12 @@ def task_benchmark(
     repeats: int = 3,
     meteor: bool = False,
     speculative: dict | None = None,
+    progress: str | None = None,
 ) -> dict:
     """Full model vs `knobs` on the same inputs (`paired_seconds`): quality, expected time reduction, wall clock,
     tokens per second, per-part times; with `speculative` (knobs with `exit_mode="speculative"`), that mode too,
-    timed in the same rounds (`speculative_report`). Returns the JSON object `hf-earlyexit bench --json` prints."""
+    timed in the same rounds (`speculative_report`). `progress`: the description of a progress bar over the batches
+    (None: none). Returns the JSON object `hf-earlyexit bench --json` prints."""
     config, settings = model.config, {"full": {}, "early_exit": knobs}
     if speculative is not None:
         settings["speculative"] = speculative
@@ -392,7 +394,7 @@ def task_benchmark(
         return run
 
     functions = {name: generate(name) for name in settings}
-    seconds = paired_seconds(functions, len(inputs.batches), repeats, model.device)
+    seconds = paired_seconds(functions, len(inputs.batches), repeats, model.device, progress)
     runs = {name: TaskRun.concatenate(batches) for name, batches in batch_runs.items()}
     costs, flops = measure_part_costs(model, inputs, repeats), flop_costs(model, inputs)
 
@@ -495,9 +497,9 @@ def model_benchmark(
     processor,
     task: str,
     knobs: dict,
-    samples: int = 500,
+    samples: int = 100,
     batch_size: int = 1,
-    repeats: int = 3,
+    repeats: int = 2,
     device: str | torch.device = "cpu",
     dtype: str = "float32",
     meteor: bool = False,
@@ -516,7 +518,8 @@ def model_benchmark(
         )
     model.to(device=device, dtype=getattr(torch, dtype))
     inputs = task_inputs(task, processor, "test", samples, batch_size, model.device)
-    return task_benchmark(model, processor, inputs, knobs, repeats, meteor=meteor, speculative=speculative)
+    progress = f"timing {task} ({len(inputs.batches)} batches)"
+    return task_benchmark(model, processor, inputs, knobs, repeats, meteor, speculative, progress)
 
 
 def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str) -> dict:

@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("model_dir", nargs="?", help="a saved model: the task benchmark")
     bench.add_argument("--task", default="caption", choices=task_names, help="with MODEL_DIR (default caption)")
     bench.add_argument("--meteor", action="store_true", help="with MODEL_DIR: also METEOR for captions")
-    add_task_arguments(bench, samples=500, batch_size=1)
+    add_task_arguments(bench, samples=100, batch_size=1)
     add_knob_arguments(bench)
     bench.add_argument("--forced-exit", type=int, help="exit every row after this many layers")
     bench.add_argument(
@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--encoder-batch-size", type=int, default=1)
     bench.add_argument("--new-tokens", type=int, default=16)
     bench.add_argument("--image-size", type=int, default=384)
-    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--repeats", type=int, default=2, help="timed rounds after a warm-up (default 2)")
     bench.add_argument("--device", default="cpu", help="where to time (cpu, cuda, ...); with MODEL_DIR too")
     bench.add_argument(
         "--dtype",

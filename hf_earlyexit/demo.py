@@ -77,7 +77,8 @@ def run_demo(
     for name, count in samples.items():
         inputs = task_inputs(name, processor, "test", count, batch_size)
         drafts = speculative if name in SPECULATIVE_TASKS else None
-        task = task_benchmark(model, processor, inputs, knobs, 1, speculative=drafts)
+        progress = f"{name}: {count} test rows, full model vs exits{' vs speculative' if drafts else ''}"
+        task = task_benchmark(model, processor, inputs, knobs, 1, speculative=drafts, progress=progress)
         report = replace(report, tasks={**report.tasks, name: task})
         yield report
     shown = [
@@ -152,7 +153,7 @@ def demo_lines(report: DemoReport) -> list[str]:
         f"{report.parameters / 1e6:.1f}M parameters, {report.encoder_layers} encoder layers (image and text "
         f"streams), {report.decoder_layers} decoder layers; calibrated exit defaults {report.knobs}",
         "Each task's test split through the full and the early-exit model, same inputs "
-        f"({report.threads} CPU threads):",
+        f"({report.threads} CPU threads; about 3 minutes on a 2-core CPU, a progress bar per task):",
         *(task_line(name, task, report.encoder_layers, report.decoder_layers) for name, task in report.tasks.items()),
         *(["Examples (each token with the decoder layer it exited after):"] if report.examples else []),
         *(example_line(example) for example in report.examples),

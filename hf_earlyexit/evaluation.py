@@ -16,7 +16,14 @@ from .data import CAPTION_PROMPT, ImageTextCollator
 from .measures import PartCosts, expected_time_reduction
 from .metrics import load as load_metric
 from .modeling.exit_controllers import FixedLayerExit
-from .modeling.exit_knobs import NO_EXIT, SPECULATIVE_KNOBS, non_default_knobs, resolve_knobs
+from .modeling.exit_knobs import (
+    DRAFT_KNOBS,
+    NO_EXIT,
+    SPECULATIVE_KNOBS,
+    drafts_with_exit_knobs,
+    non_default_knobs,
+    resolve_knobs,
+)
 from .tasks import Task, get_task
 
 
@@ -67,7 +74,8 @@ def run_knobs(model, full: bool = False, **given: Any) -> dict[str, Any]:
         return {}
     resolved = non_default_knobs(resolve_knobs(model.config, model.generation_config, **given))
     if resolved.get("exit_mode") == "speculative":  # it sets aside the saved defaults that would change its output
-        resolved = {name: value for name, value in resolved.items() if name not in SPECULATIVE_KNOBS}
+        set_aside = {*SPECULATIVE_KNOBS, *(DRAFT_KNOBS if drafts_with_exit_knobs(given) else ())}
+        resolved = {name: value for name, value in resolved.items() if name not in set_aside}
     return {**resolved, **given}
 
 

@@ -58,6 +58,9 @@ SPECULATIVE_KNOBS: dict[str, Any] = {
     "exit_token_layer": "own",
 }
 
+# Speculative mode's own decoder exit; None: the decoder's (`exit_policy`, `exit_threshold`).
+DRAFT_KNOBS: tuple[str, ...] = ("draft_exit_policy", "draft_exit_threshold")
+
 # Named choices: knob -> its choices.
 CHOICES: dict[str, tuple[str, ...]] = {
     "exit_policy": POLICY_NAMES,
@@ -150,6 +153,12 @@ def resolve_knobs(config: Any, generation_config: Any = None, **given: Any) -> d
     return values
 
 
+def drafts_with_exit_knobs(given: dict[str, Any]) -> bool:
+    """Whether speculative mode drafts with the decoder's exit knobs instead of its draft knobs: when the call `given`
+    names the decoder's exit (`exit_policy`, `exit_threshold`) and no draft knob."""
+    return bool({"exit_policy", "exit_threshold"} & set(given)) and not set(DRAFT_KNOBS) & set(given)
+
+
 def non_default_knobs(values: dict[str, Any]) -> dict[str, Any]:
     """The knobs of `values` that differ from their defaults: what a report or a saved setting needs to name."""
     return {name: value for name, value in values.items() if value != EXIT_KNOBS[name]}
@@ -157,6 +166,7 @@ def non_default_knobs(values: dict[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "CHOICES",
+    "DRAFT_KNOBS",
     "ENCODER_PARTS",
     "EXIT_KNOBS",
     "EXIT_MODES",
@@ -178,6 +188,7 @@ __all__ = [
     "check_batch_rules",
     "check_encoder_parts",
     "check_knobs",
+    "drafts_with_exit_knobs",
     "non_default_knobs",
     "resolve_knobs",
 ]

@@ -31,6 +31,7 @@ from .exit_knobs import (
     KVStrategy,
     RowExitPlan,
     check_encoder_parts,
+    drafts_with_exit_knobs,
     resolve_knobs,
 )
 from .row_exits import AutoPlan, CompactPlan, KeepPlan, LayerCosts, RowExits
@@ -174,9 +175,7 @@ def decoder_controller(value: dict[str, Any], given: dict[str, Any]) -> ExitCont
             make_controller(draft_policy, draft_threshold, schedule)
         except ValueError as error:
             raise ValueError(f"`draft_exit_threshold`: {error}") from None
-    call_names_exit = bool({"exit_policy", "exit_threshold"} & set(given))
-    call_names_draft = bool({"draft_exit_policy", "draft_exit_threshold"} & set(given))
-    if value["exit_mode"] == "speculative" and (call_names_draft or not call_names_exit):
+    if value["exit_mode"] == "speculative" and not drafts_with_exit_knobs(given):
         policy, threshold = draft_policy, threshold if draft_threshold is None else draft_threshold
     return None if threshold is None else make_controller(policy, threshold, schedule)
 

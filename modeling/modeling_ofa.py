@@ -1521,9 +1521,14 @@ class OFADecoder(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+# The auto classes a saved model names in its `auto_map`: the generic one, the seq2seq head's, and the one the
+# `image-text-to-text` pipeline loads with.
+AUTO_CLASSES = ("AutoModel", "AutoModelForSeq2SeqLM", "AutoModelForImageTextToText")
+
+
 class OFAPreTrainedModel(PreTrainedModel):
     config_class = OFAEarlyExitConfig
-    base_model_prefix = "model"
+    base_model_prefix = ""  # one class: the encoder and decoder sit on the generation model itself
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _no_split_modules = ["OFAEncoderLayer", "OFADecoderLayer"]
@@ -1614,6 +1619,9 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
         # exit knobs calibration writes there) would then be dropped on reload.
         if any(hasattr(self.generation_config, name) for name in EXIT_KNOBS):
             self.generation_config._from_model_config = False
+        # `auto_map` names this class for every auto class it serves, the image-text-to-text pipeline's included.
+        name = f"{type(self).__module__.rsplit('.', 1)[-1]}.{type(self).__name__}"
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **dict.fromkeys(AUTO_CLASSES, name)}
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def prepare_inputs_for_generation(
@@ -1712,5 +1720,6 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
 
 __all__ = ["EarlyExitOFAForConditionalGeneration", "EarlyExitSeq2SeqLMOutput", "OFAPreTrainedModel", "OFAEncoderOutput"]
 
-# Saving writes this file beside the weights; `auto_map` then lets AutoModel load it with trust_remote_code=True.
-EarlyExitOFAForConditionalGeneration.register_for_auto_class("AutoModel")
+# Saving writes this file beside the weights; `auto_map` then lets the auto classes load it with
+# trust_remote_code=True.
+EarlyExitOFAForConditionalGeneration.register_for_auto_class(AUTO_CLASSES[0])

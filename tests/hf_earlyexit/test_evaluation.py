@@ -82,6 +82,19 @@ def test_run_knobs_keep_the_saved_defaults_under_given_knobs_and_full_means_none
         run_knobs(model, exit_treshold=0.5)
 
 
+def test_run_knobs_in_speculative_mode_keep_the_saved_drafts_unless_the_exit_is_named():
+    model = tiny_model(decoder_layers=4)
+    saved = {"exit_threshold": 0.8, "exit_policy": "confidence", "draft_exit_threshold": 0.3, "kv_strategy": "copy"}
+    for name, value in saved.items():
+        setattr(model.generation_config, name, value)
+    drafting = {"exit_mode": "speculative", "exit_threshold": 0.8, "exit_policy": "confidence"}
+    assert run_knobs(model, exit_mode="speculative") == {**drafting, "draft_exit_threshold": 0.3}
+    assert run_knobs(model, exit_mode="speculative", exit_threshold=0.5) == {**drafting, "exit_threshold": 0.5}
+    assert run_knobs(model, exit_mode="speculative", exit_threshold=0.5, draft_exit_threshold=0.4) == {
+        **drafting, "exit_threshold": 0.5, "draft_exit_threshold": 0.4,
+    }  # fmt: skip
+
+
 def test_evaluate_task_reports_scores_and_the_flops_time_reduction():
     model, processor, _ = task_setup("vqa", samples=4)
     knobs = {"exit_policy": "confidence", "exit_threshold": 0.0}

@@ -23,6 +23,8 @@ def test_save_writes_remote_code_and_auto_map(tmp_path):
     assert auto_map == {
         "AutoConfig": "configuration_ofa.OFAEarlyExitConfig",
         "AutoModel": "modeling_ofa.EarlyExitOFAForConditionalGeneration",
+        "AutoModelForSeq2SeqLM": "modeling_ofa.EarlyExitOFAForConditionalGeneration",
+        "AutoModelForImageTextToText": "modeling_ofa.EarlyExitOFAForConditionalGeneration",
     }
 
 
@@ -101,7 +103,19 @@ processor = AutoProcessor.from_pretrained(sys.argv[1], trust_remote_code=True)
 assert type(processor).__module__.startswith("transformers_modules."), type(processor).__module__
 inputs = processor(images=Image.new("RGB", (50, 40), (10, 200, 30)), text=" what does the image describe?",
                    return_tensors="pt")
-torch.save(model.generate(**inputs, max_new_tokens=5), sys.argv[2])
+from transformers import pipeline
+image, other = Image.new("RGB", (50, 40), (10, 200, 30)), Image.new("RGB", (30, 60), (200, 20, 90))
+texts = [" what does the image describe?", " what color is it?"]
+pipe = pipeline("image-text-to-text", model=sys.argv[1], trust_remote_code=True)
+assert type(pipe.model).__module__.startswith("transformers_modules."), type(pipe.model).__module__
+outputs = {
+    "generate": model.generate(**inputs, max_new_tokens=5),
+    "one": pipe(images=image, text=texts[0], max_new_tokens=5, return_full_text=False),
+    "full_text": pipe(images=image, text=texts[0], max_new_tokens=5),
+    "batch": pipe(images=[image, other], text=texts, batch_size=2, return_full_text=False,
+                  generate_kwargs={"max_new_tokens": 5, "exit_threshold": 0.5, "exit_policy": "confidence"}),
+}
+torch.save(outputs, sys.argv[2])
 """
 
 
@@ -132,4 +146,16 @@ def test_model_and_processor_folder_loads_as_remote_code_and_as_local_classes(tm
     inputs = processor(
         images=Image.new("RGB", (50, 40), (10, 200, 30)), text=" what does the image describe?", return_tensors="pt"
     )
-    assert torch.equal(torch.load(tmp_path / "out.pt"), model.generate(**inputs, max_new_tokens=5))
+    outputs = torch.load(tmp_path / "out.pt")
+    assert torch.equal(outputs["generate"], model.generate(**inputs, max_new_tokens=5))
+    # The image-text-to-text pipeline: the model's own answer, the prompt before it unless asked not to, and exit
+    # knobs through `generate_kwargs`.
+    answer = processor.batch_decode(outputs["generate"], skip_special_tokens=True)[0]
+    assert outputs["one"] == [{"input_text": " what does the image describe?", "generated_text": answer}]
+    assert outputs["full_text"][0]["generated_text"] == " what does the image describe?" + answer
+    other = Image.new("RGB", (30, 60), (200, 20, 90))
+    texts = [" what does the image describe?", " what color is it?"]
+    batch = processor(images=[Image.new("RGB", (50, 40), (10, 200, 30)), other], text=texts, return_tensors="pt")
+    knobs = {"max_new_tokens": 5, "exit_threshold": 0.5, "exit_policy": "confidence"}
+    expected = processor.batch_decode(model.generate(**batch, **knobs), skip_special_tokens=True)
+    assert [record["generated_text"] for record in outputs["batch"]] == expected
