@@ -1031,7 +1031,10 @@ class OFADecoder(nn.Module):
 
     def weight_table(self, name: str, tensors, make: Callable[[], Any]) -> Any:
         """`make()`, kept under `name` until one of `tensors` moves or is changed in place (an optimizer step,
-        `load_state_dict`, `.to()`); checked once per `generate` call through the cache's `derived`."""
+        `load_state_dict`, `.to()`); checked once per `generate` call through the cache's `derived`. Under a tracer
+        (`torch.compile`, `torch.export`), whose tensors have no storage to key on, it is `make()`, traced in."""
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return make()
         weights = tuple((tensor.data_ptr(), tensor._version) for tensor in tensors)
         kept = self._weight_tables.get(name)
         if kept is None or kept[0] != weights:

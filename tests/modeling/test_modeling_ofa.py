@@ -366,3 +366,36 @@ def test_get_encoder_takes_the_base_class_modality():
     assert model.get_encoder() is model.get_encoder(modality="image") is model.get_encoder("text") is model.encoder
     with pytest.raises(ValueError, match="not 'audio'"):
         model.get_encoder(modality="audio")
+
+
+def teacher_forced(batch: int, decoder_length: int, seed: int = 0) -> dict:
+    inputs = tiny_inputs(batch=batch, text_length=5 + batch, seed=seed)
+    decoder = torch.randint(3, 100, (batch, decoder_length), generator=torch.Generator().manual_seed(seed))
+    return {**inputs, "decoder_input_ids": decoder, "use_cache": False}
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_full_model_exports_with_static_and_dynamic_shapes(grad):
+    from torch.export import Dim
+
+    model = tiny_model(decoder_layers=3).eval()
+    kwargs = teacher_forced(2, 4)
+    batch, text, decoder = Dim("batch", min=1, max=16), Dim("text", min=2, max=64), Dim("decoder", min=2, max=64)
+    dynamic = {name: None for name in kwargs} | {
+        "input_ids": {0: batch, 1: text}, "attention_mask": {0: batch, 1: text}, "pixel_values": {0: batch},
+        "decoder_input_ids": {0: batch, 1: decoder},
+    }  # fmt: skip
+    with torch.set_grad_enabled(grad):  # without grad the decoder reads its memoised position table
+        static = torch.export.export(model, (), kwargs=kwargs).module()
+        flexible = torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic).module()
+        other = teacher_forced(3, 6, seed=1)
+        assert torch.allclose(static(**kwargs).logits, model(**kwargs).logits, atol=1e-4)
+        assert torch.allclose(flexible(**other).logits, model(**other).logits, atol=1e-4)
+
+
+def test_the_compiled_forward_equals_eager():
+    model = tiny_model(decoder_layers=3).eval()
+    compiled = torch.compile(model)
+    kwargs = teacher_forced(2, 4)
+    with torch.no_grad():
+        assert torch.allclose(compiled(**kwargs).logits, model(**kwargs).logits, atol=1e-4)
