@@ -42,6 +42,12 @@ from .row_exits import ActiveRows, LayerCosts, RowExits, select_rows
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def check_one_of(ids: torch.Tensor | None, embeds: torch.Tensor | None, ids_name: str, embeds_name: str) -> None:
+    """Token ids or their embeddings, not both (as every Transformers model takes them)."""
+    if ids is not None and embeds is not None:
+        raise ValueError(f"Pass either `{ids_name}` or `{embeds_name}`, not both.")
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
     """Positions 0, 1, ... counted from each row's first attended token: [batch or 1, length].
 
@@ -609,15 +615,24 @@ class OFAEncoder(nn.Module):
         return x, positions, (height, width)
 
     def embed_text(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+        self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, inputs_embeds: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[batch, T] -> token states [batch, T, d], LN'd positions [batch, T, d], position ids, pad mask [batch, T]."""
-        padding = input_ids.eq(self.config.pad_token_id) if attention_mask is None else attention_mask.eq(0)
-        x = self.embed_tokens(input_ids) * self.embed_scale
+        """[batch, T] ids (or their embeddings [batch, T, d], `get_input_embeddings()(input_ids)`) -> token states
+        [batch, T, d], LN'd positions [batch, T, d], position ids, pad mask [batch, T]."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+            padding = input_ids.eq(self.config.pad_token_id) if attention_mask is None else attention_mask.eq(0)
+        else:  # without a mask every embedded token is real
+            padding = (
+                torch.zeros(inputs_embeds.shape[:2], dtype=torch.bool, device=inputs_embeds.device)
+                if attention_mask is None
+                else attention_mask.eq(0)
+            )
+        x = inputs_embeds * self.embed_scale
         if self.type_embedding is not None:
             x = x + self.type_embedding.weight[0]
         x = self.dropout(self.layernorm_embedding(x))
-        position_ids = position_ids_from_mask(~padding, input_ids.shape[1], x.device)
+        position_ids = position_ids_from_mask(~padding, x.shape[1], x.device)
         positions = self.pos_ln(self.embed_positions(position_ids)).expand(x.shape[0], -1, -1)
         return x, positions, position_ids, padding
 
@@ -718,7 +733,11 @@ class OFAEncoder(nn.Module):
         return exits.gather("output", hidden_states), states, attentions, exits.exit_layers
 
     def embed(
-        self, input_ids: torch.LongTensor | None, attention_mask: torch.Tensor | None, pixel_values: torch.Tensor | None
+        self,
+        input_ids: torch.LongTensor | None,
+        attention_mask: torch.Tensor | None,
+        pixel_values: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> "EncoderSequence":
         """The sequence `[image patches ; text tokens]` the layers run over, with its position terms."""
         parts, positions, paddings = [], [], []
@@ -731,8 +750,10 @@ class OFAEncoder(nn.Module):
             parts.append(image_x)
             positions.append(image_pos)
             paddings.append(torch.zeros(image_x.shape[:2], dtype=torch.bool, device=image_x.device))
-        if input_ids is not None:
-            text_x, text_pos, text_position_ids, text_padding = self.embed_text(input_ids, attention_mask)
+        if input_ids is not None or inputs_embeds is not None:
+            text_x, text_pos, text_position_ids, text_padding = self.embed_text(
+                input_ids, attention_mask, inputs_embeds
+            )
             text_length = text_x.shape[1]
             relative = text_position_ids[:, :, None] - text_position_ids[:, None, :]
             text_buckets = token_relative_buckets(
@@ -815,18 +836,22 @@ class OFAEncoder(nn.Module):
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         return_dict: bool = True,
+        inputs_embeds: torch.FloatTensor | None = None,
     ) -> OFAEncoderOutput:
         """`exit_settings` (optional) carries the exit controllers: `encoder` for the joint encoder, or
-        `encoder_image` / `encoder_text` for the streams of a decomposed one."""
-        if input_ids is None and pixel_values is None:
-            raise ValueError("The encoder needs `input_ids`, `pixel_values` or both.")
+        `encoder_image` / `encoder_text` for the streams of a decomposed one. `inputs_embeds` [batch, T, d] may
+        replace `input_ids`: the text's token embeddings (`get_input_embeddings()(input_ids)`); images still enter as
+        `pixel_values`."""
+        check_one_of(input_ids, inputs_embeds, "input_ids", "inputs_embeds")
+        if input_ids is None and inputs_embeds is None and pixel_values is None:
+            raise ValueError("The encoder needs `input_ids` (or `inputs_embeds`), `pixel_values` or both.")
         decomposed = self.config.decompose_encoder_modalities
         if output_attentions and decomposed:
             raise ValueError("`output_attentions` is not available with `decompose_encoder_modalities=True`.")
         exits = any(getattr(exit_settings, part, None) is not None for part in ENCODER_PARTS)
         if exits and (output_attentions or output_hidden_states):
             raise ValueError("`output_attentions` / `output_hidden_states` are not available with encoder exits.")
-        sequence = self.embed(input_ids, attention_mask, pixel_values)
+        sequence = self.embed(input_ids, attention_mask, pixel_values, inputs_embeds)
         # One LayerDrop draw per forward, so both streams of a decomposed encoder skip the same layers.
         layers = layers_to_run(len(self.layers), self.config.encoder_layerdrop, self.training)
         if decomposed:
@@ -1334,7 +1359,7 @@ class OFADecoder(nn.Module):
     def step_biases(
         self,
         past: int,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor,  # [batch, q], read for its shape and device
         attention_mask: torch.Tensor | None,
         encoder_outputs: OFAEncoderOutput,
         self_cache: EarlyExitCache | None,
@@ -1414,6 +1439,7 @@ class OFADecoder(nn.Module):
         output_hidden_states: bool = False,
         output_exit_hidden_states: bool = False,
         position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
     ) -> "OFADecoderOutput":
         """Decode `input_ids` [batch, q], the newest q tokens after the `past_key_values` prefix.
 
@@ -1427,25 +1453,29 @@ class OFADecoder(nn.Module):
         """
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         outputs_asked = output_attentions or output_hidden_states or output_exit_hidden_states
-        length = past + input_ids.shape[1]
+        check_one_of(input_ids, inputs_embeds, "decoder_input_ids", "decoder_inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        tokens = inputs_embeds[..., 0]  # [batch, q]: the step's shape and device, with or without ids
+        length = past + tokens.shape[1]
         self_cache = self.checked_cache(past_key_values, exit_settings, length, attention_mask, outputs_asked)
         if output_exit_hidden_states and self.training and self.config.decoder_layerdrop > 0:
             raise ValueError("`output_exit_hidden_states` needs every exit layer to run: set `decoder_layerdrop=0`.")
         controller = exit_settings.decoder if exit_settings is not None else None
 
-        hidden_states = self.embed_tokens(input_ids) * self.embed_scale
+        hidden_states = inputs_embeds * self.embed_scale
         hidden_states = self.dropout(self.layernorm_embedding(hidden_states))  # [batch, q, d]
-        step = self.step_biases(past, input_ids, attention_mask, encoder_outputs, self_cache, position_ids)
+        step = self.step_biases(past, tokens, attention_mask, encoder_outputs, self_cache, position_ids)
         slots = self_cache.open_slots(hidden_states, self.num_heads) if self_cache is not None else None
         if self_cache is not None and not torch.is_grad_enabled() and not any(past_key_values.is_updated.values()):
             self.cache_cross_key_values(encoder_outputs.last_hidden_state, past_key_values)
 
         layers = layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training)
-        batch, device = input_ids.shape[0], input_ids.device
+        batch, device = tokens.shape[0], tokens.device
         exits = RowExits(batch, len(layers), device)
         if controller is not None:
             source = encoder_outputs.last_hidden_state.shape[1]
-            costs = functools.partial(self.layer_costs, batch, input_ids.shape[1], source, hidden_states.dtype)
+            costs = functools.partial(self.layer_costs, batch, tokens.shape[1], source, hidden_states.dtype)
             exits = exit_settings.row_exits("decoder", batch, len(layers), device, costs)
         self_absolute, buckets, cross_bias, query_mask = (
             step.self_absolute,
@@ -1457,7 +1487,9 @@ class OFADecoder(nn.Module):
         # exit, so that they never hold their batch in deeper layers.
         pad = self.config.pad_token_id
         finished = (
-            input_ids[:, 0] == pad if controller is not None and input_ids.shape[1] == 1 and pad is not None else None
+            input_ids[:, 0] == pad
+            if controller is not None and input_ids is not None and input_ids.shape[1] == 1 and pad is not None
+            else None
         )
         layer_outputs, exit_states, state = [(hidden_states, None, None)], [], None  # (states, attentions) per layer
         for count, idx in enumerate(layers, start=1):
@@ -1503,7 +1535,7 @@ class OFADecoder(nn.Module):
             self.fill_skipped_layers_later(self_cache, exits, slots, exit_outputs)
         # A step whose rows all take their tokens from one exit returns its head's logits, if a controller computed
         # them.
-        step_logits = state.computed_logits if exits.stopped_together and input_ids.shape[1] == 1 else None
+        step_logits = state.computed_logits if exits.stopped_together and tokens.shape[1] == 1 else None
         final = exit_state() if exits.finished else hidden_states  # the last layer run, as an exit head's input
         last_hidden_state = self.layer_norm(exits.gather("exit_state", final))
         states, self_attentions, cross_attentions = zip(*layer_outputs, strict=True)
@@ -1657,11 +1689,14 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
         output_hidden_states: bool | None = None,
         output_exit_hidden_states: bool = False,
         return_dict: bool | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        decoder_inputs_embeds: torch.FloatTensor | None = None,
     ) -> "EarlyExitSeq2SeqLMOutput | tuple":
         """Teacher-forced (or cached, one step of `generate`) pass; `loss` is the final layer's cross-entropy when
         `labels` are given. `output_exit_hidden_states=True` adds each exit head's input after the final LayerNorm
         (`exit_hidden_states`; apply `get_output_embeddings()` for that exit's logits), what the exit losses of
-        `EarlyExitTrainer` train on."""
+        `EarlyExitTrainer` train on. `inputs_embeds` / `decoder_inputs_embeds` may replace `input_ids` /
+        `decoder_input_ids`: token embeddings, `get_input_embeddings()(ids)` (images still enter as `pixel_values`)."""
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -1669,10 +1704,10 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         use_cache = (use_cache if use_cache is not None else self.config.use_cache) and labels is None
 
-        if labels is not None and decoder_input_ids is None:
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
-        if decoder_input_ids is None:
-            raise ValueError("Pass `decoder_input_ids` or `labels` (or call `generate`).")
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError("Pass `decoder_input_ids`, `decoder_inputs_embeds` or `labels` (or call `generate`).")
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
                 input_ids,
@@ -1681,6 +1716,7 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
                 exit_settings,
                 output_attentions=output_attentions,
                 output_hidden_states=output_hidden_states,
+                inputs_embeds=inputs_embeds,
             )
         if use_cache and past_key_values is None:
             past_key_values = new_cache(self.config, exit_settings)
@@ -1696,6 +1732,7 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             output_exit_hidden_states=output_exit_hidden_states,
+            inputs_embeds=decoder_inputs_embeds,
         )
         logits = decoder_outputs.logits
         if logits is None:

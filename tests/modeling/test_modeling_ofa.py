@@ -399,3 +399,29 @@ def test_the_compiled_forward_equals_eager():
     kwargs = teacher_forced(2, 4)
     with torch.no_grad():
         assert torch.allclose(compiled(**kwargs).logits, model(**kwargs).logits, atol=1e-4)
+
+
+def test_embeddings_in_place_of_token_ids_give_the_same_outputs():
+    model = tiny_model(decoder_layers=3).eval()
+    kwargs = teacher_forced(2, 4)
+    embed = model.get_input_embeddings()
+    as_embeddings = {
+        **{name: value for name, value in kwargs.items() if name not in ("input_ids", "decoder_input_ids")},
+        "inputs_embeds": embed(kwargs["input_ids"]),
+        "decoder_inputs_embeds": embed(kwargs["decoder_input_ids"]),
+    }
+    with torch.no_grad():
+        assert torch.allclose(model(**as_embeddings).logits, model(**kwargs).logits, atol=1e-5)
+        for knobs in ({"exit_threshold": None}, {"exit_policy": "confidence", "exit_threshold": 0.2}):
+            inputs = tiny_inputs(batch=2)
+            by_ids = model.generate(**inputs, max_new_tokens=5, **knobs, return_dict_in_generate=True)
+            embeddings = embed(inputs.pop("input_ids"))
+            by_embeddings = model.generate(
+                **inputs, inputs_embeds=embeddings, max_new_tokens=5, **knobs, return_dict_in_generate=True
+            )
+            assert torch.equal(by_embeddings.sequences, by_ids.sequences)
+            assert torch.equal(by_embeddings.exit_layers, by_ids.exit_layers)
+    with pytest.raises(ValueError, match="either `input_ids` or `inputs_embeds`"):
+        model(**kwargs, inputs_embeds=as_embeddings["inputs_embeds"])
+    with pytest.raises(ValueError, match="either `decoder_input_ids` or `decoder_inputs_embeds`"):
+        model(**kwargs, decoder_inputs_embeds=as_embeddings["decoder_inputs_embeds"])
