@@ -144,6 +144,12 @@ class ExitController:
     def reset(self) -> None:
         """Forget any state kept from an earlier generation."""
 
+    @property
+    def keeps_state(self) -> bool:
+        """Whether it keeps state across layers (it overrides `reset`): one instance then serves one `generate` call
+        at a time."""
+        return type(self).reset is not ExitController.reset
+
 
 class ThresholdExit(ExitController):
     """A controller that compares a per-row score with a (possibly scheduled) threshold in [low, high]."""
@@ -274,6 +280,10 @@ class ExitControllerList(ExitController, list):
     def reset(self) -> None:
         for controller in self:
             controller.reset()
+
+    @property
+    def keeps_state(self) -> bool:
+        return any(controller.keeps_state for controller in self)
 
 
 def checked_decision(decision: torch.Tensor, state: ExitState, controller: ExitController) -> torch.BoolTensor:

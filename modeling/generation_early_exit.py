@@ -8,8 +8,10 @@ during the call. The layers each part ran come back in the model's outputs (`exi
 `exit_layers` / `encoder_exit_layers` with `return_dict_in_generate=True`.
 """
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +182,31 @@ def decoder_controller(value: dict[str, Any], given: dict[str, Any]) -> ExitCont
     return None if threshold is None else make_controller(policy, threshold, schedule)
 
 
+# The stateful controller instances (`ExitController.keeps_state`) inside a `generate` call now, by id: `generate` is
+# thread-safe, but two concurrent calls sharing one such instance would mix their rows' state.
+_CLAIMED: set[int] = set()
+_CLAIMED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def stateful_controllers_claimed(settings: EarlyExitSettings) -> Iterator[None]:
+    """Hold `settings`' stateful controllers for one `generate` call; ValueError if another call holds one."""
+    controllers = [getattr(settings, part) for part in EXIT_PARTS]
+    stateful = {id(c) for c in controllers if isinstance(c, ExitController) and c.keeps_state}
+    with _CLAIMED_LOCK:
+        if stateful & _CLAIMED:
+            raise ValueError(
+                "An `exit_controller` that keeps state across layers (e.g. PatienceExit) is running in another "
+                "`generate` call: give each concurrent call its own instance."
+            )
+        _CLAIMED.update(stateful)
+    try:
+        yield
+    finally:
+        with _CLAIMED_LOCK:
+            _CLAIMED.difference_update(stateful)
+
+
 @dataclass
 class ExitLayerLog:
     """What one `generate` call gathers from the model's outputs, for its own output.
@@ -240,7 +267,6 @@ class EarlyExitGenerationMixin(GenerationMixin):
             max_steps = kwargs.get("max_new_tokens") or source.max_new_tokens or source.max_length - 1
             settings = EarlyExitSettings.from_knobs(self.config, source, max_steps=max_steps, **knobs)
         check_decoding(settings, source, kwargs)
-        settings.reset_controllers()
         if settings.exits and kwargs.get("use_cache") is False:
             raise ValueError("Early exit in `generate` needs `use_cache=True` (skipped layers live in the cache).")
         # A config's `use_cache=False` is a training setting (the Trainer writes it); exits need the cache.
@@ -248,7 +274,9 @@ class EarlyExitGenerationMixin(GenerationMixin):
             kwargs["use_cache"] = True
 
         log = ExitLayerLog()
-        output = super().generate(inputs, generation_config, exit_settings=settings, exit_layer_log=log, **kwargs)
+        with stateful_controllers_claimed(settings):
+            settings.reset_controllers()
+            output = super().generate(inputs, generation_config, exit_settings=settings, exit_layer_log=log, **kwargs)
         if not isinstance(output, (GenerateEncoderDecoderOutput, GenerateBeamEncoderDecoderOutput)):
             return output
         encoder = log.encoder

@@ -5,7 +5,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_earlyexit.modeling.early_exit_cache import KV_STRATEGIES, EarlyExitCache
-from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, ExitController, FixedLayerExit
+from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, ExitController, FixedLayerExit, PatienceExit
 from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings
 from hf_earlyexit.modeling.row_exits import LayerCosts
 from tests.helpers import tiny_inputs, tiny_model
@@ -654,3 +654,64 @@ def test_a_config_saying_use_cache_false_still_exits_with_the_cache(model):
         model.config.use_cache = True
     assert torch.equal(out.sequences, reference.sequences)
     assert torch.equal(out.exit_layers, reference.exit_layers)
+
+
+def test_concurrent_generate_calls_with_different_knobs_equal_serial_ones():
+    import threading
+
+    model = tiny_model(decoder_layers=4, decompose_encoder_modalities=True).eval()
+    inputs = tiny_inputs(batch=3)
+    cases = [
+        {"exit_threshold": None},
+        {"exit_policy": "confidence", "exit_threshold": 0.2, "kv_strategy": "copy"},
+        {"exit_threshold": 0.5, "encoder_image_exit_threshold": 0.5, "num_beams": 2},
+        {"exit_mode": "speculative", "exit_policy": "confidence", "exit_threshold": 0.3},
+        {"exit_policy": "patience", "exit_threshold": 1, "row_exit": "compact"},
+    ]
+
+    def run(knobs):
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=8, return_dict_in_generate=True, **knobs)
+        return out.sequences, out.exit_layers
+
+    serial = [run(knobs) for knobs in cases]
+    concurrent = [None] * len(cases)
+
+    def work(index):
+        concurrent[index] = run(cases[index])
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(len(cases))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for (sequences, layers), (got_sequences, got_layers) in zip(serial, concurrent, strict=True):
+        assert torch.equal(sequences, got_sequences) and torch.equal(layers, got_layers)
+
+
+def test_a_stateful_controller_serves_one_generate_call_at_a_time():
+    import threading
+
+    class Blocking(PatienceExit):  # holds its first call until released
+        def __init__(self):
+            super().__init__(patience=2)
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def __call__(self, state):
+            self.entered.set()
+            self.release.wait(timeout=30)
+            return super().__call__(state)
+
+    model, inputs, controller = tiny_model(decoder_layers=4).eval(), tiny_inputs(batch=2), Blocking()
+    first = threading.Thread(target=lambda: model.generate(**inputs, max_new_tokens=3, exit_controller=controller))
+    first.start()
+    assert controller.entered.wait(timeout=30)
+    try:
+        with pytest.raises(ValueError, match="another `generate` call"):
+            model.generate(**inputs, max_new_tokens=3, exit_controller=controller)
+        model.generate(**inputs, max_new_tokens=3, exit_controller=FixedLayerExit(2))  # stateless: no claim needed
+    finally:
+        controller.release.set()
+        first.join()
+    assert controller.keeps_state and not FixedLayerExit(2).keeps_state
+    assert model.generate(**inputs, max_new_tokens=3, exit_controller=controller).shape[0] == 2  # released
