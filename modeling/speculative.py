@@ -2,11 +2,12 @@
 
 Each round, every unfinished row drafts up to k tokens (`num_assistant_tokens`) with the decoder's exits, one
 decoding step per token, through an `EarlyExitCache` with `kv_strategy="recompute"`: a draft's K/V are exact in the
-layers it ran, and a later draft that goes deeper first runs the layers it needs on the earlier ones (DEED's
-catch-up). The verification is one more step, at full depth: it feeds the last draft and, layer by layer, first runs
-every waiting draft through the layers it skipped. Afterwards every slot holds the K/V of a full-depth pass, and the
-cache's waiting states hold each draft's final-layer output; the final head on them gives the full model's
-distribution after each drafted prefix (a draft that ran every layer had it already). Nothing runs twice.
+layers it ran, and no draft goes deeper than an earlier draft of its round (`CappedDraft`), so nothing is caught up
+one token at a time. The verification is one more step, at full depth: it feeds the last drafts of rows still
+drafting and, layer by layer, runs every waiting draft through the layers it skipped. Afterwards every slot holds
+the K/V of a full-depth pass, and the cache's waiting states hold each draft's final-layer output; the final head on
+them gives the full model's distribution after each drafted prefix (a draft that ran every layer had it already).
+Nothing runs twice.
 
 Acceptance is Leviathan et al.'s: greedy keeps the longest run of drafts equal to the full model's argmax, then adds
 the full model's own token; sampling accepts a draft x with probability min(1, p(x) / q(x)) and on the first rejection
