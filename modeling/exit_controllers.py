@@ -17,7 +17,7 @@ threshold of 1.0 (similarity, confidence) never stops anything.
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -69,12 +69,13 @@ class ExitState:
 
 
 class ThresholdSchedule:
-    """A threshold as a function of the decoding step: `schedule(step, max_steps) -> float`."""
+    """A threshold as a function of the decoding step: `schedule(step, max_steps) -> float` (a tensor [rows] for a
+    threshold per row)."""
 
-    def __init__(self, threshold: float):
+    def __init__(self, threshold: "float | torch.Tensor"):
         self.threshold = threshold
 
-    def __call__(self, step: int, max_steps: int) -> float:
+    def __call__(self, step: int, max_steps: int) -> "float | torch.Tensor":
         return self.threshold
 
     def __repr__(self) -> str:
@@ -113,14 +114,28 @@ class CALMSchedule(ThresholdSchedule):
         super().__init__(threshold)
         self.tau = tau
 
-    def __call__(self, step: int, max_steps: int) -> float:
-        return min(max(0.9 * self.threshold + 0.1 * math.exp(-self.tau * step / max_steps), 0.0), 1.0)
+    def __call__(self, step: int, max_steps: int) -> "float | torch.Tensor":
+        decayed = 0.9 * self.threshold + 0.1 * math.exp(-self.tau * step / max_steps)
+        return decayed.clamp(0.0, 1.0) if isinstance(decayed, torch.Tensor) else min(max(decayed, 0.0), 1.0)
 
 
 # In the order of `SCHEDULE_NAMES`, the names the knobs accept.
 SCHEDULES = dict(
     zip(SCHEDULE_NAMES, (ConstantSchedule, MuEPaperSchedule, MuEOfficialSchedule, CALMSchedule), strict=True)
 )
+
+
+def per_row(
+    threshold: "float | Sequence[float] | torch.Tensor | ThresholdSchedule",
+) -> "float | torch.Tensor | ThresholdSchedule":
+    """A threshold as a controller keeps it: a number or a schedule as given, a list or a 1-D tensor (one per row) as a
+    float tensor. ValueError on another shape."""
+    if isinstance(threshold, (int, float, ThresholdSchedule)):
+        return threshold
+    values = torch.as_tensor(threshold, dtype=torch.float32)
+    if values.dim() != 1 or values.numel() == 0:
+        raise ValueError(f"A threshold is a number or one number per row (a list or a 1-D tensor), got {threshold!r}.")
+    return values
 
 
 def make_schedule(threshold: float | ThresholdSchedule, schedule: str = "constant") -> ThresholdSchedule:
@@ -156,10 +171,13 @@ class ThresholdExit(ExitController):
 
     score_range: tuple[float, float] = (0.0, 1.0)
 
-    def __init__(self, threshold: float | ThresholdSchedule, schedule: str = "constant"):
-        self.schedule = make_schedule(threshold, schedule)
+    def __init__(
+        self, threshold: "float | Sequence[float] | torch.Tensor | ThresholdSchedule", schedule: str = "constant"
+    ):
+        self.schedule = make_schedule(per_row(threshold), schedule)
         low, high = self.score_range
-        if not low <= self.schedule.threshold <= high:
+        values = torch.as_tensor(self.schedule.threshold, dtype=torch.float64)
+        if not bool(((low <= values) & (values <= high)).all()):
             raise ValueError(
                 f"`exit_threshold` for {type(self).__name__} must lie in [{low}, {high}], "
                 f"got {self.schedule.threshold}."
@@ -170,7 +188,16 @@ class ThresholdExit(ExitController):
         raise NotImplementedError
 
     def __call__(self, state: ExitState) -> torch.BoolTensor:
-        return self.score(state) > self.schedule(state.step, state.max_steps)
+        score, threshold = self.score(state), self.schedule(state.step, state.max_steps)
+        if isinstance(threshold, torch.Tensor):  # one per row of the batch: the running rows' own
+            if threshold.shape[0] <= int(state.rows.max()):
+                raise ValueError(
+                    f"{type(self).__name__} has {threshold.shape[0]} thresholds, one per row, but row "
+                    f"{int(state.rows.max())} asks: give one per row of the batch (`generate` repeats a request's for "
+                    "its beams and returned sequences)."
+                )
+            threshold = threshold.to(score.device, score.dtype)[state.rows.to(score.device)]
+        return score > threshold
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.schedule!r})"
@@ -310,7 +337,7 @@ def make_controller(
     if policy not in POLICY_NAMES:
         raise ValueError(f"Unknown `exit_policy` {policy!r}; choose one of {list(POLICY_NAMES)}.")
     if policy == "patience":
-        if isinstance(threshold, bool) or not float(threshold).is_integer():
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not float(threshold).is_integer():
             raise ValueError(f"`exit_threshold` of the patience policy is a layer count, got {threshold!r}.")
         return PatienceExit(int(threshold), **options)
     return POLICIES[policy](threshold, schedule, **options)

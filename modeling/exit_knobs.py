@@ -98,9 +98,13 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
         threshold = values.get(name)
         if threshold is None:
             continue
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-            raise ValueError(f"`{name}` must be a number or None, got {threshold!r}.")
-        if bounds is not None and not bounds[0] <= threshold <= bounds[1]:
+        numbers = threshold.tolist() if hasattr(threshold, "tolist") else threshold  # a 1-D tensor: one per row
+        numbers = numbers if isinstance(numbers, (list, tuple)) and numbers else [numbers]
+        if any(isinstance(value, bool) or not isinstance(value, (int, float)) for value in numbers):
+            raise ValueError(
+                f"`{name}` must be a number, one number per row (a list or 1-D tensor), or None, got {threshold!r}."
+            )
+        if bounds is not None and not all(bounds[0] <= value <= bounds[1] for value in numbers):
             raise ValueError(f"`{name}` is a cosine similarity and must lie in {list(bounds)}, got {threshold}.")
     check_batch_rules(values)
     check_encoder_parts({part for part in ENCODER_PARTS if values.get(f"{part}_exit_threshold") is not None}, config)
@@ -184,6 +188,7 @@ __all__ = [
     "RowExitPlan",
     "SCHEDULE_NAMES",
     "SPECULATIVE_KNOBS",
+    "THRESHOLD_RANGES",
     "ThresholdScheduleName",
     "check_batch_rules",
     "check_encoder_parts",

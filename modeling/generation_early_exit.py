@@ -22,12 +22,13 @@ from transformers.generation.utils import GenerateBeamEncoderDecoderOutput, Gene
 from transformers.utils import ModelOutput
 
 from .early_exit_cache import EarlyExitCache
-from .exit_controllers import ExitController, SimilarityExit, make_controller
+from .exit_controllers import ExitController, SimilarityExit, make_controller, per_row
 from .exit_knobs import (
     ENCODER_PARTS,
     EXIT_KNOBS,
     EXIT_PARTS,
     SPECULATIVE_KNOBS,
+    THRESHOLD_RANGES,
     ExitMode,
     ExitTokenLayer,
     KVStrategy,
@@ -63,11 +64,18 @@ class EarlyExitSettings:
 
     @classmethod
     def from_knobs(
-        cls, config: PreTrainedConfig, generation_config: Any = None, max_steps: int = 1, **knobs
+        cls,
+        config: PreTrainedConfig,
+        generation_config: Any = None,
+        max_steps: int = 1,
+        requests: int | None = None,
+        rows_per_request: int = 1,
+        **knobs,
     ) -> "EarlyExitSettings":
         """Settings from knobs (`exit_knobs.resolve_knobs`: the call's, then the generation config's, then the model
-        config's); a bad or unknown knob is a ValueError."""
-        value = resolve_knobs(config, generation_config, **knobs)
+        config's); a bad or unknown knob is a ValueError. A threshold given per request (a list or a 1-D tensor) must
+        have `requests` values; the decoder's are repeated for each request's `rows_per_request` decoder rows."""
+        value = thresholds_per_row(resolve_knobs(config, generation_config, **knobs), requests, rows_per_request)
         controllers = {}
         custom = value["exit_controller"]
         if isinstance(custom, dict):
@@ -163,6 +171,25 @@ class EarlyExitSettings:
             controller = getattr(self, part)
             if isinstance(controller, ExitController):
                 controller.reset()
+
+
+# The thresholds of decoder controllers, whose rows are a request's beams and returned sequences.
+DECODER_THRESHOLDS = ("exit_threshold", "draft_exit_threshold")
+
+
+def thresholds_per_row(value: dict[str, Any], requests: int | None, rows_per_request: int) -> dict[str, Any]:
+    """The resolved knobs `value` with each threshold given per request checked against the call's `requests` and, for
+    the decoder (which runs each request's beams and returned sequences as `rows_per_request` rows), repeated."""
+    value = dict(value)
+    for name in THRESHOLD_RANGES:
+        threshold = value[name]
+        if threshold is None or isinstance(threshold, (int, float)):
+            continue
+        values = per_row(threshold)
+        if requests is not None and values.shape[0] != requests:
+            raise ValueError(f"`{name}` has {values.shape[0]} values: give one per request of the batch ({requests}).")
+        value[name] = values.repeat_interleave(rows_per_request) if name in DECODER_THRESHOLDS else values
+    return value
 
 
 def decoder_controller(value: dict[str, Any], given: dict[str, Any]) -> ExitController | None:
@@ -265,7 +292,11 @@ class EarlyExitGenerationMixin(GenerationMixin):
         source = generation_config if generation_config is not None else self.generation_config
         if settings is None:
             max_steps = kwargs.get("max_new_tokens") or source.max_new_tokens or source.max_length - 1
-            settings = EarlyExitSettings.from_knobs(self.config, source, max_steps=max_steps, **knobs)
+            # Transformers expands each request into max(num_beams, num_return_sequences) decoder rows.
+            expand = max(kwargs.get(name) or getattr(source, name, None) or 1 for name in ROW_EXPANSIONS)
+            settings = EarlyExitSettings.from_knobs(
+                self.config, source, max_steps, request_count(inputs, kwargs), expand, **knobs
+            )
         check_decoding(settings, source, kwargs)
         if settings.exits and kwargs.get("use_cache") is False:
             raise ValueError("Early exit in `generate` needs `use_cache=True` (skipped layers live in the cache).")
@@ -354,6 +385,18 @@ class EarlyExitGenerationMixin(GenerationMixin):
         super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
+
+
+ROW_EXPANSIONS = ("num_beams", "num_return_sequences")
+
+
+def request_count(inputs: torch.Tensor | None, kwargs: dict[str, Any]) -> int | None:
+    """The batch size of a `generate` call, from whichever input it was given (None: none yet)."""
+    given = [inputs, *(kwargs.get(name) for name in ("input_ids", "inputs_embeds", "pixel_values"))]
+    encoder_outputs = kwargs.get("encoder_outputs")
+    if encoder_outputs is not None:
+        given.append(encoder_outputs.last_hidden_state)
+    return next((tensor.shape[0] for tensor in given if tensor is not None), None)
 
 
 ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")

@@ -715,3 +715,51 @@ def test_a_stateful_controller_serves_one_generate_call_at_a_time():
         first.join()
     assert controller.keeps_state and not FixedLayerExit(2).keeps_state
     assert model.generate(**inputs, max_new_tokens=3, exit_controller=controller).shape[0] == 2  # released
+
+
+@pytest.mark.parametrize(
+    "decoding",
+    [{}, {"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}],
+    ids=["greedy", "beams", "sampled"],
+)
+def test_thresholds_per_request_give_each_row_its_own_run(decoding):
+    model = tiny_model(decoder_layers=4, decompose_encoder_modalities=True).eval()
+    inputs = tiny_inputs(batch=3, pad_last=0)
+    thresholds = {"exit_threshold": [0.0, 1.0, 0.3], "encoder_image_exit_threshold": torch.tensor([-1.0, 1.0, 0.5])}
+    knobs = {"exit_policy": "confidence", "max_new_tokens": 6, "return_dict_in_generate": True, **decoding}
+
+    def run(batch, **given):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return model.generate(**batch, **knobs, **given)
+
+    together = run(inputs, **thresholds)
+    rows = together.sequences.shape[0] // 3
+    for request in range(3):
+        alone = run(
+            {name: value[request : request + 1] for name, value in inputs.items()},
+            **{name: float(value[request]) for name, value in thresholds.items()},
+        )
+        block = slice(request * rows, (request + 1) * rows)
+        if not decoding.get("do_sample"):  # sampling draws from one generator for the whole batch
+            assert torch.equal(together.sequences[block, : alone.sequences.shape[1]], alone.sequences)
+            assert torch.equal(together.exit_layers[block, : alone.exit_layers.shape[1]], alone.exit_layers)
+        assert torch.equal(together.encoder_exit_layers[block], alone.encoder_exit_layers)
+    assert set(together.exit_layers[rows : 2 * rows].unique().tolist()) <= {0, 4}  # threshold 1.0: never exits
+    assert set(together.exit_layers[:rows].unique().tolist()) <= {0, 1}  # threshold 0.0: always after layer 1
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"exit_threshold": [0.5, 0.5]}, "`exit_threshold` has 2 values: give one per request of the batch \\(3\\)"),
+        ({"exit_threshold": [0.5, 2.0, 0.5]}, "exit_threshold"),
+        ({"exit_threshold": [[0.5], [0.5], [0.5]]}, "exit_threshold"),
+        ({"encoder_image_exit_threshold": [0.5, 0.5, 3.0]}, "encoder_image_exit_threshold"),
+        ({"exit_policy": "patience", "exit_threshold": [1, 2, 1]}, "patience"),
+    ],
+)
+def test_bad_thresholds_per_request_name_the_knob(knobs, message):
+    model = tiny_model(decoder_layers=4, decompose_encoder_modalities=True).eval()
+    with pytest.raises(ValueError, match=message):
+        model.generate(**tiny_inputs(batch=3), max_new_tokens=3, **{"exit_policy": "confidence", **knobs})
