@@ -1,0 +1,102 @@
+"""The checks Transformers runs on its own models, on a tiny OFA-EE config: outputs and their shapes, generation
+modes with and without exits, training utilities and the cache. Parity, exits, export and save/load have their own
+files beside this one; this is the common ground a Transformers user assumes."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from tests.helpers import tiny_inputs, tiny_model
+
+DECODER_LAYERS, ENCODER_LAYERS = 3, 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(decoder_layers=DECODER_LAYERS, encoder_layers=ENCODER_LAYERS).eval()
+
+
+def teacher_forced(length: int = 4) -> dict:
+    decoder = torch.randint(3, 100, (2, length), generator=torch.Generator().manual_seed(0))
+    return {**tiny_inputs(batch=2), "decoder_input_ids": decoder}
+
+
+def test_hidden_states_and_attentions_have_one_entry_per_layer(model):
+    with torch.no_grad():
+        out = model(**teacher_forced(), output_hidden_states=True, output_attentions=True)
+    d, heads, vocab = model.config.d_model, model.config.decoder_attention_heads, model.config.vocab_size
+    assert out.logits.shape == (2, 4, vocab)
+    assert len(out.decoder_hidden_states) == DECODER_LAYERS + 1 and out.decoder_hidden_states[0].shape == (2, 4, d)
+    assert len(out.encoder_hidden_states) == ENCODER_LAYERS + 1 and len(out.encoder_attentions) == ENCODER_LAYERS
+    assert len(out.decoder_attentions) == DECODER_LAYERS and out.decoder_attentions[0].shape[:3] == (2, heads, 4)
+    assert len(out.cross_attentions) == DECODER_LAYERS
+    source = out.encoder_last_hidden_state.shape[1]
+    assert out.cross_attentions[0].shape == (2, heads, 4, source)
+    assert torch.allclose(out.decoder_attentions[0].sum(-1), torch.ones(2, heads, 4), atol=1e-5)  # probabilities
+
+
+def test_a_tuple_output_without_return_dict(model):
+    kwargs = teacher_forced()
+    with torch.no_grad():
+        as_tuple = model(**kwargs, return_dict=False, use_cache=False)
+        as_dict = model(**kwargs, use_cache=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], as_dict.logits)
+
+
+@pytest.mark.parametrize(
+    "decoding",
+    [
+        {},
+        {"do_sample": True, "top_k": 5, "num_return_sequences": 2},
+        {"num_beams": 3, "num_return_sequences": 2},
+        {"num_beams": 3, "exit_threshold": 0.5},
+        {"do_sample": True, "exit_policy": "confidence", "exit_threshold": 0.3},
+        {"exit_policy": "confidence", "exit_threshold": 0.3, "exit_mode": "speculative"},
+    ],
+    ids=["greedy", "sample", "beams", "beams-exits", "sample-exits", "speculative"],
+)
+def test_every_generation_mode_returns_its_shapes(model, decoding):
+    torch.manual_seed(0)
+    config = GenerationConfig(
+        max_new_tokens=5, min_new_tokens=5, decoder_start_token_id=0, eos_token_id=2, pad_token_id=1
+    )
+    with torch.no_grad():
+        out = model.generate(**tiny_inputs(batch=2), generation_config=config, return_dict_in_generate=True,
+                             output_scores=True, **decoding)  # fmt: skip
+    rows = 2 * decoding.get("num_return_sequences", 1)
+    assert out.sequences.shape == (rows, 6) and len(out.scores) == 5
+    assert out.exit_layers.shape == (rows, 5) and int(out.exit_layers.max()) <= DECODER_LAYERS
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = tiny_model(decoder_layers=DECODER_LAYERS, encoder_layers=ENCODER_LAYERS, dropout=0.0).train()
+    batch = {**tiny_inputs(batch=2), "labels": torch.randint(3, 100, (2, 5))}
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        model(**batch).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.is_gradient_checkpointing
+    checkpointed = gradients()
+    assert plain.keys() == checkpointed.keys()
+    assert all(torch.allclose(plain[name], checkpointed[name], atol=1e-6) for name in plain)
+
+
+def test_resized_token_embeddings_stay_tied_and_generate():
+    model = tiny_model(decoder_layers=DECODER_LAYERS, encoder_layers=ENCODER_LAYERS).eval()
+    vocab = model.config.vocab_size
+    model.resize_token_embeddings(vocab + 8, mean_resizing=False)
+    assert model.config.vocab_size == vocab + 8
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        sequences = model.generate(**tiny_inputs(batch=2), max_new_tokens=4, exit_threshold=0.5)
+        logits = model(**tiny_inputs(batch=2), decoder_input_ids=sequences).logits
+    assert logits.shape[-1] == vocab + 8
+
+
+def test_a_static_cache_is_refused_by_name(model):
+    with pytest.raises(ValueError, match="cache_implementation='static'"):
+        model.generate(**tiny_inputs(batch=2), max_new_tokens=3, cache_implementation="static")
