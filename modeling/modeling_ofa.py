@@ -33,7 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .configuration_ofa import PATCH_STEM, RESNET_LAYERS, OFAEarlyExitConfig
 from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitState, checked_decision
-from .exit_knobs import ENCODER_PARTS, EXIT_KNOBS
+from .exit_knobs import EXIT_KNOBS
 from .generation_early_exit import EarlyExitGenerationMixin, EarlyExitSettings, new_cache
 from .row_exits import ActiveRows, LayerCosts, RowExits, select_rows
 
@@ -688,11 +688,14 @@ class OFAEncoder(nn.Module):
         exit_settings: EarlyExitSettings | None = None,
         part: str = "encoder",
         real_tokens: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """The given layers over one sequence (joint, or one modality stream).
 
-        Returns the output per row [batch, S, d], each layer's states and attentions (meaningful without exits),
-        and the layers each row's output comes from [batch]. With a controller for `part` in `exit_settings`, a row
+        Returns the output per row [batch, S, d], the input and each layer's states [batch, S, d] when
+        `output_hidden_states` (a row that stopped holds its output from then on), each layer's attentions when
+        `output_attentions` (zeros for a row that left the layers), and the layers each row's output comes from
+        [batch]. With a controller for `part` in `exit_settings`, a row
         that stops keeps its output, and the plan (`row_exit`) either keeps it in the batch or takes it out of the
         layers after; the controller is first asked after layer `encoder_min_exit_layer`. `real_tokens` [batch, S]
         (True = not padding) is what the controller compares.
@@ -709,8 +712,8 @@ class OFAEncoder(nn.Module):
             previous = hidden_states
             bias = self.layer_bias(idx, absolute, num_image, text_buckets, image_buckets)
             hidden_states, weights = self.layers[idx](hidden_states, bias, output_attentions)
-            states.append(hidden_states)
-            attentions.append(weights)
+            states.append(exits.snapshot("output", hidden_states) if output_hidden_states else hidden_states)
+            attentions.append(exits.spread(weights))
             if controller is None or count == len(layers) or count < min_exit_layer:
                 continue
             state = ExitState(
@@ -730,6 +733,9 @@ class OFAEncoder(nn.Module):
             )
             if exits.finished:
                 break
+        for _ in range(len(layers) + 1 - len(states)):  # layers no row ran: each row holds its output
+            states.append(exits.snapshot("output", hidden_states))
+            attentions.append(None if attentions[-1] is None else torch.zeros_like(attentions[-1]))
         return exits.gather("output", hidden_states), states, attentions, exits.exit_layers
 
     def embed(
@@ -781,7 +787,12 @@ class OFAEncoder(nn.Module):
         )
 
     def run_joint(
-        self, sequence: "EncoderSequence", layers: list[int], exit_settings: EarlyExitSettings | None, attentions: bool
+        self,
+        sequence: "EncoderSequence",
+        layers: list[int],
+        exit_settings: EarlyExitSettings | None,
+        attentions: bool,
+        states: bool = False,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """OFA's encoder: image and text attend to each other. Returns what `run_layers` does, the layers per row
         for (image, text) [batch, 2]: both the joint encoder's, 0 for a missing modality."""
@@ -796,6 +807,7 @@ class OFAEncoder(nn.Module):
             exit_settings,
             part="encoder",
             real_tokens=~sequence.padding,
+            output_hidden_states=states,
         )
         present = torch.tensor([bool(sequence.num_image), bool(sequence.text_length)], device=exit_layers.device)
         return final, states, attentions, exit_layers[:, None] * present
@@ -811,12 +823,13 @@ class OFAEncoder(nn.Module):
         streams = [
             self.run_layers(
                 sequence.hidden_states[:, :n], sequence.absolute[:, :, :n, :n], n, None, image_rel, layers, False,
-                exit_settings, part="encoder_image",
+                exit_settings, part="encoder_image", output_hidden_states=states,
             ) if n else None,
             self.run_layers(
                 sequence.hidden_states[:, n:], sequence.absolute[:, :, n:, n:], 0, sequence.text_buckets, None, layers,
                 False, exit_settings, part="encoder_text",
                 real_tokens=~padding[:, n:] if bool(padding.any()) else None,  # None: no pad to leave out
+                output_hidden_states=states,
             ) if sequence.text_length else None,
         ]  # fmt: skip
         ran = [stream for stream in streams if stream is not None]
@@ -848,9 +861,6 @@ class OFAEncoder(nn.Module):
         decomposed = self.config.decompose_encoder_modalities
         if output_attentions and decomposed:
             raise ValueError("`output_attentions` is not available with `decompose_encoder_modalities=True`.")
-        exits = any(getattr(exit_settings, part, None) is not None for part in ENCODER_PARTS)
-        if exits and (output_attentions or output_hidden_states):
-            raise ValueError("`output_attentions` / `output_hidden_states` are not available with encoder exits.")
         sequence = self.embed(input_ids, attention_mask, pixel_values, inputs_embeds)
         # One LayerDrop draw per forward, so both streams of a decomposed encoder skip the same layers.
         layers = layers_to_run(len(self.layers), self.config.encoder_layerdrop, self.training)
@@ -859,7 +869,9 @@ class OFAEncoder(nn.Module):
                 sequence, layers, exit_settings, output_hidden_states
             )
         else:
-            final, states, attentions, exit_layers = self.run_joint(sequence, layers, exit_settings, output_attentions)
+            final, states, attentions, exit_layers = self.run_joint(
+                sequence, layers, exit_settings, output_attentions, output_hidden_states
+            )
         return OFAEncoderOutput(
             last_hidden_state=self.layer_norm(final),
             padding_mask=sequence.padding,
@@ -1328,7 +1340,7 @@ class OFADecoder(nn.Module):
         exit_settings: EarlyExitSettings | None,
         length: int,
         attention_mask: torch.Tensor | None,
-        outputs_asked: bool,
+        training_outputs: bool,
     ) -> EarlyExitCache | None:
         """The self-attention cache of this step, after checking the step's inputs against it and the exit plan."""
         self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
@@ -1349,11 +1361,8 @@ class OFADecoder(nn.Module):
                 f"`kv_strategy={exit_settings.kv_strategy!r}` but the cache passed in was built for "
                 f"{self_cache.kv_strategy!r}."
             )
-        if outputs_asked:
-            raise ValueError(
-                "`output_attentions` / `output_hidden_states` / `output_exit_hidden_states` are not available with "
-                "decoder exits."
-            )
+        if training_outputs:
+            raise ValueError("`output_exit_hidden_states` (training the exits) is not available with decoder exits.")
         return self_cache
 
     def step_biases(
@@ -1452,13 +1461,14 @@ class OFADecoder(nn.Module):
         `output_exit_hidden_states` (training the exits) returns every exit head's input after the final LayerNorm.
         """
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
-        outputs_asked = output_attentions or output_hidden_states or output_exit_hidden_states
         check_one_of(input_ids, inputs_embeds, "decoder_input_ids", "decoder_inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         tokens = inputs_embeds[..., 0]  # [batch, q]: the step's shape and device, with or without ids
         length = past + tokens.shape[1]
-        self_cache = self.checked_cache(past_key_values, exit_settings, length, attention_mask, outputs_asked)
+        self_cache = self.checked_cache(
+            past_key_values, exit_settings, length, attention_mask, output_exit_hidden_states
+        )
         if output_exit_hidden_states and self.training and self.config.decoder_layerdrop > 0:
             raise ValueError("`output_exit_hidden_states` needs every exit layer to run: set `decoder_layerdrop=0`.")
         controller = exit_settings.decoder if exit_settings is not None else None
@@ -1500,7 +1510,10 @@ class OFADecoder(nn.Module):
                 hidden_states, self_bias, encoder_outputs.last_hidden_state, cross_bias, past_key_values,
                 exits.active, slots, output_attentions,
             )  # fmt: skip
-            layer_outputs.append((hidden_states, self_weights, cross_weights))
+            layer_outputs.append((  # a ready row holds its exit state; one that left the layers, zero attentions
+                exits.snapshot("exit_state", hidden_states) if output_hidden_states else hidden_states,
+                exits.spread(self_weights), exits.spread(cross_weights),
+            ))  # fmt: skip
             collect = output_exit_hidden_states and idx + 1 in self.exit_points  # never with a controller
             ask = controller is not None and count >= exit_settings.min_exit_layer and count in self.exit_points
             if not (collect or ask):
@@ -1530,6 +1543,9 @@ class OFADecoder(nn.Module):
             )  # fmt: skip
             if exits.finished:
                 break
+        for _ in range(len(layers) + 1 - len(layer_outputs)):  # layers no row ran: each row holds its exit state
+            zeros = (None if weights is None else torch.zeros_like(weights) for weights in layer_outputs[-1][1:])
+            layer_outputs.append((exits.snapshot("exit_state", hidden_states), *zeros))
         exit_outputs = exits.stopped_state("output")  # the last layer output of each row that left early
         if self_cache is not None and exit_outputs is not None:
             self.fill_skipped_layers_later(self_cache, exits, slots, exit_outputs)

@@ -268,6 +268,24 @@ class RowExits:
         """[batch, ...]: the `name` state of each row that kept one (other rows unset); None if no row did."""
         return self._states.get(name)
 
+    def snapshot(self, name: str, running_state: torch.Tensor) -> torch.Tensor:
+        """[batch, ...] at the current layer, for layer outputs (`output_hidden_states`): each ready row's kept `name`
+        state, the waiting rows' `running_state` [running rows, ...]. A copy: the kept states change later."""
+        kept = self._states.get(name)
+        if kept is None:  # no row is ready yet: every row runs
+            return running_state
+        state = kept.clone()
+        state[self.running[self.waiting]] = running_state[self.waiting]
+        return state
+
+    def spread(self, running_state: torch.Tensor | None) -> torch.Tensor | None:
+        """[running rows, ...] -> [batch, ...] (`output_attentions`): zeros for the rows that left the layers."""
+        if running_state is None or len(self.running) == len(self.exit_layers):
+            return running_state
+        state = running_state.new_zeros((len(self.exit_layers), *running_state.shape[1:]))
+        state[self.running] = running_state
+        return state
+
     def gather(self, name: str, running_state: torch.Tensor) -> torch.Tensor:
         """Each row's final `name` state [batch, ...]: the one it kept, or `running_state` [running rows, ...] (the
         state of the last layer run) for the rows still waiting, and for every running row when their output comes

@@ -100,3 +100,47 @@ def test_resized_token_embeddings_stay_tied_and_generate():
 def test_a_static_cache_is_refused_by_name(model):
     with pytest.raises(ValueError, match="cache_implementation='static'"):
         model.generate(**tiny_inputs(batch=2), max_new_tokens=3, cache_implementation="static")
+
+
+@pytest.mark.parametrize("row_exit", ["keep", "compact"])
+def test_layer_outputs_with_exits_hold_each_rows_exit_state_after_its_exit(row_exit):
+    from hf_earlyexit.modeling.exit_controllers import FixedLayerExit
+
+    model = tiny_model(decoder_layers=4, encoder_layers=3).eval()
+    model.set_attn_implementation("eager")
+    kwargs = {**teacher_forced(), "use_cache": False, "output_hidden_states": True, "output_attentions": True}
+    depth = {"decoder": torch.tensor([1, 4]), "encoder": torch.tensor([2, 3])}
+    controllers = {
+        part: FixedLayerExit(lambda state, layers=layers: layers[state.rows]) for part, layers in depth.items()
+    }
+    with torch.no_grad():
+        full = model(**kwargs)
+        early = model(**kwargs, exit_settings=exit_settings(model, controllers, row_exit))
+        encoder_only = {"encoder": controllers["encoder"]}  # the decoder reads what the encoder's exits gave
+        decoder_full = model(**kwargs, exit_settings=exit_settings(model, encoder_only, row_exit))
+    states, full_states = early.decoder_hidden_states, decoder_full.decoder_hidden_states
+    assert len(states) == 5 and len(early.decoder_attentions) == 4 and early.exit_layers.tolist() == [1, 4]
+    for layer in range(5):  # row 1 never exits: the full model's states; row 0 holds its layer-1 state from then on
+        assert torch.allclose(states[layer][1], full_states[layer][1], atol=1e-5)
+        assert torch.allclose(states[layer][0], full_states[min(layer, 1)][0], atol=1e-5)
+    if row_exit == "compact":  # row 0 left the layers after layer 1: no attention there
+        assert all(float(weights[0].abs().sum()) == 0 for weights in early.decoder_attentions[1:])
+    assert all(float(weights[1].sum()) > 0 for weights in early.decoder_attentions)
+    encoder_states, full_encoder = early.encoder_hidden_states, full.encoder_hidden_states
+    assert len(encoder_states) == 4 and early.encoder_exit_layers[:, 0].tolist() == [2, 3]
+    assert torch.allclose(encoder_states[3][0], full_encoder[2][0], atol=1e-5)  # row 0 stopped after layer 2
+    assert torch.allclose(encoder_states[3][1], full_encoder[3][1], atol=1e-5)
+
+
+def exit_settings(model, controllers: dict, row_exit: str):
+    from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings
+
+    return EarlyExitSettings.from_knobs(model.config, exit_controller=controllers, row_exit=row_exit)
+
+
+def test_generate_returns_layer_outputs_with_exits(model):
+    with torch.no_grad():
+        out = model.generate(**tiny_inputs(batch=2), max_new_tokens=3, exit_policy="confidence", exit_threshold=0.2,
+                             output_hidden_states=True, return_dict_in_generate=True)  # fmt: skip
+    assert len(out.decoder_hidden_states) == out.exit_layers.shape[1]
+    assert all(len(step) == DECODER_LAYERS + 1 for step in out.decoder_hidden_states)
