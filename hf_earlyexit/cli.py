@@ -84,7 +84,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     check_samples(args)
     model, processor = load_model_and_processor(args.model_dir)
     knobs = run_knobs(model, args.full, **given_knobs(args))
-    report = evaluate_task(model, processor, args.task, args.split, args.samples, args.batch_size, knobs, args.meteor)
+    report = evaluate_task(
+        model, processor, args.task, args.split, args.samples, args.batch_size, knobs, args.meteor, progress=True
+    )
     print_report(report, args.json)
 
 

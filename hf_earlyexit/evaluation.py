@@ -139,10 +139,20 @@ def run_batch(
     return TaskRun(predictions, out.encoder_exit_layers.cpu(), decoder_layers, seconds, *counts)
 
 
-def run_task(model, processor, inputs: TaskInputs, knobs: dict[str, Any] | None = None, **generate_kwargs) -> TaskRun:
-    """`run_batch` for every batch of `inputs`, as one run."""
+def run_task(
+    model,
+    processor,
+    inputs: TaskInputs,
+    knobs: dict[str, Any] | None = None,
+    progress: str | None = None,
+    **generate_kwargs,
+) -> TaskRun:
+    """`run_batch` for every batch of `inputs`, as one run; `progress`: a progress bar's description (None: none)."""
+    from tqdm.auto import tqdm
+
+    batches = tqdm(inputs.batches, desc=progress, disable=progress is None)
     return TaskRun.concatenate(
-        [run_batch(model, processor, inputs.task, batch, knobs, **generate_kwargs) for batch in inputs.batches]
+        [run_batch(model, processor, inputs.task, batch, knobs, **generate_kwargs) for batch in batches]
     )
 
 
@@ -171,12 +181,13 @@ def evaluate_task(
     batch_size: int = 32,
     knobs: dict[str, Any] | None = None,
     meteor: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Task `task`'s first `samples` rows of `split` through `generate` with `knobs` (on top of "no exit"): the
     scores, the expected time reduction by FLOPs (batch-aware at `batch_size`, and per row) and the seconds. The
-    JSON object `hf-earlyexit eval` prints."""
+    JSON object `hf-earlyexit eval` prints; `progress` shows a bar over the batches."""
     inputs = task_inputs(task, processor, split, samples, batch_size)
-    run = run_task(model, processor, inputs, knobs)
+    run = run_task(model, processor, inputs, knobs, f"{task} ({inputs.samples} samples)" if progress else None)
     config, costs = model.config, flop_costs(model, inputs)
 
     def reduction(batch: int) -> float:
