@@ -713,7 +713,7 @@ class OFAEncoder(nn.Module):
             bias = self.layer_bias(idx, absolute, num_image, text_buckets, image_buckets)
             hidden_states, weights = self.layers[idx](hidden_states, bias, output_attentions)
             states.append(exits.snapshot("output", hidden_states) if output_hidden_states else hidden_states)
-            attentions.append(exits.spread(weights))
+            attentions.append(exits.spread(weights) if output_attentions else weights)
             if controller is None or count == len(layers) or count < min_exit_layer:
                 continue
             state = ExitState(
@@ -1512,7 +1512,7 @@ class OFADecoder(nn.Module):
             )  # fmt: skip
             layer_outputs.append((  # a ready row holds its exit state; one that left the layers, zero attentions
                 exits.snapshot("exit_state", hidden_states) if output_hidden_states else hidden_states,
-                exits.spread(self_weights), exits.spread(cross_weights),
+                *((exits.spread(self_weights), exits.spread(cross_weights)) if output_attentions else (None, None)),
             ))  # fmt: skip
             collect = output_exit_hidden_states and idx + 1 in self.exit_points  # never with a controller
             ask = controller is not None and count >= exit_settings.min_exit_layer and count in self.exit_points
