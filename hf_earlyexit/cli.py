@@ -57,11 +57,14 @@ def cmd_convert(args: argparse.Namespace) -> None:
 def cmd_caption(args: argparse.Namespace) -> None:
     from .evaluation import caption_images
 
+    if args.batch_size < 1:  # before the model loads
+        raise ValueError(f"--batch-size must be positive, got {args.batch_size}.")
     images = [load_image(path) for path in args.images]
     model, processor = load_model_and_processor(args.model_dir)
     knobs = {"exit_mode": args.exit_mode} if args.exit_mode else {}
     num_beams = args.num_beams or (1 if args.exit_mode == "speculative" else 5)  # speculative mode decodes greedily
-    captions, seconds = caption_images(model, processor, images, args.prompt, num_beams, args.max_new_tokens, **knobs)
+    decoding = dict(num_beams=num_beams, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    captions, seconds = caption_images(model, processor, images, args.prompt, **decoding, progress=True, **knobs)
     for path, caption in zip(args.images, captions, strict=True):
         print(f"{path}\t{caption.strip()}")
     print(f"{len(images)} image(s) in {seconds:.2f} s", file=sys.stderr)
@@ -306,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--num-beams", type=int, help="default 5; 1 with --exit-mode speculative")
     caption.add_argument("--exit-mode", dest="exit_mode", choices=EXIT_MODES, help="exit (lossy) or speculative")
     caption.add_argument("--max-new-tokens", type=int, default=16)
+    caption.add_argument("--batch-size", type=int, default=8, help="images per generate call (default 8)")
     caption.set_defaults(run=cmd_caption)
 
     train = commands.add_parser("train", help="train exits on an image-text data set (EarlyExitTrainer)")

@@ -220,15 +220,26 @@ def caption_images(
     prompt: str = CAPTION_PROMPT,
     num_beams: int = 5,
     max_new_tokens: int = 16,
+    batch_size: int = 8,
+    progress: bool = False,
     **knobs: Any,
 ) -> tuple[list[str], float]:
-    """The captions of `images` (with the model's saved exit defaults, and `knobs` over them) and the seconds
-    `generate` took."""
-    inputs = processor(images=images, text=[prompt] * len(images), return_tensors="pt")
-    start = time.perf_counter()
-    sequences = model.generate(**inputs, num_beams=num_beams, max_new_tokens=max_new_tokens, **knobs)
-    seconds = time.perf_counter() - start
-    return processor.batch_decode(sequences, skip_special_tokens=True), seconds
+    """The captions of `images` in batches of `batch_size` (with the model's saved exit defaults, and `knobs` over
+    them) and the seconds `generate` took; `progress` shows a bar over the batches. ValueError on a batch size below
+    1."""
+    from tqdm.auto import tqdm
+
+    if batch_size < 1:
+        raise ValueError(f"`batch_size` must be positive, got {batch_size}.")
+    captions, seconds = [], 0.0
+    for start in tqdm(range(0, len(images), batch_size), desc="captioning", disable=not progress):
+        batch = images[start : start + batch_size]
+        inputs = processor(images=batch, text=[prompt] * len(batch), return_tensors="pt")
+        began = time.perf_counter()
+        sequences = model.generate(**inputs, num_beams=num_beams, max_new_tokens=max_new_tokens, **knobs)
+        seconds += time.perf_counter() - began
+        captions += processor.batch_decode(sequences, skip_special_tokens=True)
+    return captions, seconds
 
 
 def disagreement(predictions: list[str], reference_predictions: list[str]) -> list[float]:

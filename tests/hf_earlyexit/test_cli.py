@@ -243,6 +243,7 @@ def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["caption", "{m}", "image.png", "--batch-size", "0"], "--batch-size must be positive"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--plot", "p.png"], "no meaning with --exit-mode"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-tokens", "0"], "num_assistant_tokens"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-tokens", "a"], "comma-separated integers"),

@@ -118,3 +118,7 @@ def test_caption_images_gives_one_caption_per_image():
     images = [Image.new("RGB", (40, 30), colour) for colour in ((200, 20, 20), (20, 20, 200))]
     captions, seconds = caption_images(model, processor, images, num_beams=2, max_new_tokens=3)
     assert len(captions) == 2 and all(isinstance(caption, str) for caption in captions) and seconds > 0
+    one_by_one, _ = caption_images(model, processor, images, num_beams=2, max_new_tokens=3, batch_size=1)
+    assert one_by_one == captions  # same-size images and prompts: batching changes nothing
+    with pytest.raises(ValueError, match="batch_size"):
+        caption_images(model, processor, images, batch_size=0)
