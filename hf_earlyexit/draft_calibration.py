@@ -60,12 +60,17 @@ class DraftingPoint:
         }
 
 
+def check_draft_lengths(draft_tokens: Sequence[int]) -> None:
+    """ValueError unless `draft_tokens` are one or more positive integers."""
+    if not draft_tokens or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in draft_tokens):
+        raise ValueError(f"Draft lengths (`num_assistant_tokens`) must be positive integers, got {list(draft_tokens)}.")
+
+
 def drafting_grid(
     thresholds: dict[str, Sequence[float]] = DRAFT_THRESHOLDS, draft_tokens: Sequence[int] = DRAFT_TOKENS
 ) -> list[dict[str, Any]]:
     """Every (policy, threshold) x draft length as `generate` kwargs; ValueError on a draft length below 1."""
-    if not draft_tokens or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in draft_tokens):
-        raise ValueError(f"Draft lengths (`num_assistant_tokens`) must be positive integers, got {list(draft_tokens)}.")
+    check_draft_lengths(draft_tokens)
     return [
         {"draft_exit_policy": policy, "draft_exit_threshold": threshold, DRAFT_LENGTH: k}
         for policy, values in thresholds.items()
@@ -130,7 +135,7 @@ def write_drafting_defaults(model, settings: dict[str, Any]) -> None:
     generation config (the lossy exit defaults and `exit_mode` stay as they are). ValueError on a bad value."""
     draft_tokens = settings.get(DRAFT_LENGTH)
     if draft_tokens is not None:
-        drafting_grid({}, [draft_tokens])  # checks it
+        check_draft_lengths([draft_tokens])
     write_generation_defaults(model, {name: value for name, value in settings.items() if name != DRAFT_LENGTH})
     if draft_tokens is not None:
         model.generation_config.num_assistant_tokens = draft_tokens

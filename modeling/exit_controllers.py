@@ -190,13 +190,13 @@ class ThresholdExit(ExitController):
     def __call__(self, state: ExitState) -> torch.BoolTensor:
         score, threshold = self.score(state), self.schedule(state.step, state.max_steps)
         if isinstance(threshold, torch.Tensor):  # one per row of the batch: the running rows' own
-            if threshold.shape[0] <= int(state.rows.max()):
+            try:  # no host read of the rows on this per-layer path: a short tensor fails the indexing itself
+                threshold = threshold.to(score.device, score.dtype)[state.rows.to(score.device)]
+            except IndexError:
                 raise ValueError(
-                    f"{type(self).__name__} has {threshold.shape[0]} thresholds, one per row, but row "
-                    f"{int(state.rows.max())} asks: give one per row of the batch (`generate` repeats a request's for "
-                    "its beams and returned sequences)."
-                )
-            threshold = threshold.to(score.device, score.dtype)[state.rows.to(score.device)]
+                    f"{type(self).__name__} has {threshold.shape[0]} thresholds, one per row, fewer than the batch's "
+                    "rows: give one per row (`generate` repeats a request's for its beams and returned sequences)."
+                ) from None
         return score > threshold
 
     def __repr__(self) -> str:
