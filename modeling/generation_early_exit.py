@@ -373,15 +373,20 @@ class EarlyExitGenerationMixin(GenerationMixin):
         self, generation_config: GenerationConfig, model_kwargs: dict, generation_mode, batch_size, max_cache_length
     ):
         settings = model_kwargs.get("exit_settings")
+        implementation = generation_config.cache_implementation
         if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            if generation_config.cache_implementation not in (None, "dynamic"):
+            # The full decoder (no decoder exits, no drafts) takes any Transformers cache, a static one included, so
+            # that it can decode compiled; exits need the EarlyExitCache.
+            full_decoder = settings is None or (settings.decoder is None and settings.exit_mode != "speculative")
+            if implementation not in (None, "dynamic") and not full_decoder:
                 raise ValueError(
-                    f"`cache_implementation={generation_config.cache_implementation!r}` is not supported: this model "
-                    "decodes with its own dynamic EarlyExitCache, which keeps every layer aligned when tokens exit "
-                    "early (and, with `kv_strategy='recompute'`, fills skipped layers later)."
+                    f"`cache_implementation={implementation!r}` serves the full decoder only: decoder exits and "
+                    "speculative drafts decode with the model's own dynamic EarlyExitCache, which keeps every layer "
+                    "aligned when tokens exit early. Drop `cache_implementation`, or the decoder exit knobs."
                 )
-            model_kwargs["past_key_values"] = new_cache(self.config, settings)
-            return
+            if implementation in (None, "dynamic"):
+                model_kwargs["past_key_values"] = new_cache(self.config, settings)
+                return
         super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )

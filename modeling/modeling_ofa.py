@@ -60,6 +60,17 @@ def position_ids_from_mask(attention_mask: torch.Tensor | None, length: int, dev
     return (positions - leading_pads).clamp(min=0)
 
 
+def cache_span(self_cache: Cache | None, query_length: int) -> tuple[int | torch.Tensor, int]:
+    """The tokens before a step's queries (`past`) and the key slots they attend (`length`). A cache that grows
+    holds past + q keys; a `StaticCache` always its whole length, and it counts its past in a device tensor, so that
+    a compiled step does not specialise on it (cloned here: each layer's write advances the cache's own)."""
+    if self_cache is None:
+        return 0, query_length
+    past = self_cache.get_seq_length()
+    length, _ = self_cache.get_mask_sizes(query_length, 0)
+    return (past.clone() if isinstance(past, torch.Tensor) else past), length
+
+
 def token_relative_buckets(relative: torch.Tensor, bucket_size: int, max_position: int) -> torch.Tensor:
     """OFA's 1D relative-position bucket index in [0, 2 * bucket_size - 2] for signed distances `query - key`.
 
@@ -424,10 +435,12 @@ class OFADecoderLayer(OFAEncoderLayer):
         x = self.self_attn_layer_norm(hidden_states)
         key, value = self.self_attn.project_kv(x)
         key_rows = None
-        if past_key_values is not None:
+        if isinstance(self_cache := getattr(past_key_values, "self_attention_cache", None), EarlyExitCache):
             index = None if rows is None else rows.index
-            key, value = past_key_values.self_attention_cache.write(self.layer_idx, key, value, index, slots)
+            key, value = self_cache.write(self.layer_idx, key, value, index, slots)
             key_rows = rows
+        elif self_cache is not None:  # a Transformers cache (no decoder exits: every row), e.g. a StaticCache
+            key, value = self_cache.update(key, value, self.layer_idx)
         attn, self_weights = self.self_attn(x, self_bias, key, value, key_rows, output_attentions)
         hidden_states = self.residual(hidden_states, self.self_attn_mid_layer_norm(attn))
 
@@ -1098,23 +1111,22 @@ class OFADecoder(nn.Module):
         return self.weight_table("position_table", tensors, make)
 
     def unmasked_attention_biases(
-        self, past: int, length: int, encoder_outputs: OFAEncoderOutput, table: DecoderPositionTable
+        self, query_slots: torch.Tensor, length: int, encoder_outputs: OFAEncoderOutput, table: DecoderPositionTable
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`attention_biases` of new tokens at positions past..length-1 of rows without a decoder attention mask
-        (position ids 0, 1, ...), sliced from the `position_table`: the same three tensors, with a batch of 1 in the
-        first two."""
+        """`attention_biases` of new tokens at `query_slots` [q] of `length` key slots, for rows without a decoder
+        attention mask (position ids 0, 1, ...), sliced from the `position_table`: the same three tensors, with a
+        batch of 1 in the first two."""
         self_keys = table.self_keys[:, :length].transpose(-1, -2)
-        self_absolute = torch.matmul(table.self_queries[:, past:length], self_keys)[None]  # [1, heads, q, T]
-        if length - past > 1:  # more than the newest token: the causal mask
-            keys = torch.arange(length, device=self_absolute.device)
-            masked = keys[None, :] > torch.arange(past, length, device=keys.device)[:, None]  # [q, T]
-            self_absolute = self_absolute.masked_fill(masked, torch.finfo(self_absolute.dtype).min)
+        self_absolute = torch.matmul(table.self_queries[:, query_slots], self_keys)[None]  # [1, heads, q, T]
+        # The causal mask, which also hides a static cache's slots not yet written.
+        masked = torch.arange(length, device=query_slots.device)[None, :] > query_slots[:, None]  # [q, T]
+        self_absolute = self_absolute.masked_fill(masked, torch.finfo(self_absolute.dtype).min)
         cross_bias = torch.matmul(
-            table.cross_queries[None, :, past:length], self.cross_position_keys(encoder_outputs).transpose(-1, -2)
+            table.cross_queries[None, :, query_slots], self.cross_position_keys(encoder_outputs).transpose(-1, -2)
         )  # [batch, heads, q, S]
         padding = encoder_outputs.padding_mask[:, None, None, :]
         cross_bias = cross_bias.masked_fill(padding, torch.finfo(cross_bias.dtype).min)
-        return self_absolute, table.buckets[None, past:length, :length], cross_bias
+        return self_absolute, table.buckets[None, query_slots, :length], cross_bias
 
     def layer_self_bias(self, layer_idx: int, self_absolute: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
         """A layer's self-attention bias: the masked absolute bias plus its relative bias, [R or 1, heads, Q, T]."""
@@ -1219,9 +1231,9 @@ class OFADecoder(nn.Module):
         """Every layer's cross-attention K/V of the encoder output [batch, S, d] into the cache, in one projection:
         at decoding's first step, two small matmuls per layer cost more in calls than in arithmetic, and a layer
         first reached at a later step finds its entry ready."""
-        weight, bias = past_key_values.self_attention_cache.derived(
-            "cross_key_value_projections", self.cross_key_value_projections
-        )
+        self_cache = past_key_values.self_attention_cache
+        name, make = "cross_key_value_projections", self.cross_key_value_projections
+        weight, bias = self_cache.derived(name, make) if isinstance(self_cache, EarlyExitCache) else make()
         projected = F.linear(encoder_hidden_states, weight, bias)  # [batch, S, layers * 2 * d]
         key_values = split_layer_key_values(projected, self.num_heads, self.config.d_model)
         for layer_idx, (key, value) in enumerate(key_values):
@@ -1338,24 +1350,29 @@ class OFADecoder(nn.Module):
         self,
         past_key_values: EncoderDecoderCache | None,
         exit_settings: EarlyExitSettings | None,
-        length: int,
+        query_length: int,
         attention_mask: torch.Tensor | None,
         training_outputs: bool,
-    ) -> EarlyExitCache | None:
-        """The self-attention cache of this step, after checking the step's inputs against it and the exit plan."""
+    ) -> tuple[Cache | None, int | torch.Tensor, int]:
+        """The self-attention cache of this step, after checking the step's inputs against it and the exit plan,
+        with `cache_span`'s past and key length."""
         self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
-        if self_cache is not None and not isinstance(self_cache, EarlyExitCache):
+        early = isinstance(self_cache, EarlyExitCache)
+        if self_cache is not None and not early and exit_settings is not None and exit_settings.decoder is not None:
             raise ValueError(
-                "The decoder's self-attention cache must be an EarlyExitCache (`EncoderDecoderCache(EarlyExitCache("
-                f"config), DynamicCache())`), got {type(self_cache).__name__}."
+                "Decoder exits need an EarlyExitCache as the self-attention cache (`EncoderDecoderCache(EarlyExitCache("
+                f"config), DynamicCache())`), got {type(self_cache).__name__}: a {type(self_cache).__name__} serves "
+                "the full decoder only."
             )
-        if attention_mask is not None and attention_mask.shape[-1] != length:
+        past, length = cache_span(self_cache, query_length)
+        covered = past + query_length  # a static cache's past is a device tensor: read it only outside a tracer
+        if attention_mask is not None and not torch.compiler.is_compiling() and attention_mask.shape[-1] != covered:
             raise ValueError(
-                f"`decoder_attention_mask` must cover the cached and new tokens ({length}), "
+                f"`decoder_attention_mask` must cover the cached and new tokens ({int(covered)}), "
                 f"got {attention_mask.shape[-1]}."
             )
         if exit_settings is None or exit_settings.decoder is None:
-            return self_cache
+            return self_cache, past, length
         if self_cache is not None and self_cache.kv_strategy != exit_settings.kv_strategy:
             raise ValueError(
                 f"`kv_strategy={exit_settings.kv_strategy!r}` but the cache passed in was built for "
@@ -1363,38 +1380,43 @@ class OFADecoder(nn.Module):
             )
         if training_outputs:
             raise ValueError("`output_exit_hidden_states` (training the exits) is not available with decoder exits.")
-        return self_cache
+        return self_cache, past, length
 
     def step_biases(
         self,
-        past: int,
+        past: int | torch.Tensor,
+        length: int,
         input_ids: torch.Tensor,  # [batch, q], read for its shape and device
         attention_mask: torch.Tensor | None,
         encoder_outputs: OFAEncoderOutput,
         self_cache: EarlyExitCache | None,
         position_ids: torch.Tensor | None = None,
     ) -> DecoderStepBiases:
-        """The position terms of this step's queries; sliced from the `position_table` when rows have no decoder mask
-        or position ids (positions 0, 1, ...) and no gradient is needed."""
-        length = past + input_ids.shape[1]
+        """The position terms of this step's queries, at slots past.. of the `length` key slots (`cache_span`);
+        sliced from the `position_table` when rows have no decoder mask or position ids (positions 0, 1, ...), no
+        gradient is needed and no tracer runs (it would trace the whole table in at every step)."""
+        query = input_ids.shape[1]
         sliced = (
             attention_mask is None
             and position_ids is None
             and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
             and length <= self.embed_positions.num_embeddings
         )
+        query_mask = attention_mask[:, -query:] if attention_mask is not None else None
+        if attention_mask is not None:  # a static cache's slots not yet written count as pads
+            attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[-1]))
         if position_ids is None:
-            position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, past + q]
+            position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, length]
         positions = None  # LayerNorm'd position embeddings: read by the unsliced biases and `recompute`'s catch-up
         if not sliced or (self_cache is not None and self_cache.kv_strategy == "recompute"):
             positions = self.pos_ln(self.embed_positions(position_ids))
+        query_slots = past + torch.arange(query, device=input_ids.device)
         if sliced:
             table = self_cache.derived("position_table", self.position_table) if self_cache else self.position_table()
-            biases = self.unmasked_attention_biases(past, length, encoder_outputs, table)
+            biases = self.unmasked_attention_biases(query_slots, length, encoder_outputs, table)
         else:
-            query_slots = torch.arange(past, length, device=input_ids.device)[None]
-            biases = self.attention_biases(positions, position_ids, query_slots, attention_mask, encoder_outputs)
-        query_mask = attention_mask[:, past:] if attention_mask is not None else None
+            biases = self.attention_biases(positions, position_ids, query_slots[None], attention_mask, encoder_outputs)
         return DecoderStepBiases(positions, position_ids, *biases, query_mask)
 
     def exit_question(
@@ -1460,24 +1482,24 @@ class OFADecoder(nn.Module):
         fills the skipped layers by `exit_settings.kv_strategy`. `exit_layers` in the output counts each row's layers.
         `output_exit_hidden_states` (training the exits) returns every exit head's input after the final LayerNorm.
         """
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
         check_one_of(input_ids, inputs_embeds, "decoder_input_ids", "decoder_inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         tokens = inputs_embeds[..., 0]  # [batch, q]: the step's shape and device, with or without ids
-        length = past + tokens.shape[1]
-        self_cache = self.checked_cache(
-            past_key_values, exit_settings, length, attention_mask, output_exit_hidden_states
+        cache, past, length = self.checked_cache(
+            past_key_values, exit_settings, tokens.shape[1], attention_mask, output_exit_hidden_states
         )
+        # The cache that exits read and fill; a Transformers cache (decoder without exits) is only written.
+        self_cache = cache if isinstance(cache, EarlyExitCache) else None
         if output_exit_hidden_states and self.training and self.config.decoder_layerdrop > 0:
             raise ValueError("`output_exit_hidden_states` needs every exit layer to run: set `decoder_layerdrop=0`.")
         controller = exit_settings.decoder if exit_settings is not None else None
 
         hidden_states = inputs_embeds * self.embed_scale
         hidden_states = self.dropout(self.layernorm_embedding(hidden_states))  # [batch, q, d]
-        step = self.step_biases(past, tokens, attention_mask, encoder_outputs, self_cache, position_ids)
+        step = self.step_biases(past, length, tokens, attention_mask, encoder_outputs, self_cache, position_ids)
         slots = self_cache.open_slots(hidden_states, self.num_heads) if self_cache is not None else None
-        if self_cache is not None and not torch.is_grad_enabled() and not any(past_key_values.is_updated.values()):
+        if cache is not None and not torch.is_grad_enabled() and not any(past_key_values.is_updated.values()):
             self.cache_cross_key_values(encoder_outputs.last_hidden_state, past_key_values)
 
         layers = layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training)
@@ -1682,6 +1704,9 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
         outputs and mask, exit settings, ...). The stock method gives the same here, but for a remote-code model it
         also inspects `forward`'s signature at every step (about 2% of a decoding step of the embedded model)."""
         decoder_input_ids = input_ids if next_sequence_length is None else input_ids[:, -next_sequence_length:]
+        # Contiguous, as the stock method makes it: a slice's stride grows with every step, which a compiled decoding
+        # step would recompile for.
+        decoder_input_ids = decoder_input_ids.clone(memory_format=torch.contiguous_format)
         # The encoder ran before the first step: its outputs replace the image, whatever the iteration.
         skipped = {"labels", "is_first_iteration", "pixel_values", "exit_layer_log"}
         return {"decoder_input_ids": decoder_input_ids, **{k: v for k, v in kwargs.items() if k not in skipped}}

@@ -97,9 +97,71 @@ def test_resized_token_embeddings_stay_tied_and_generate():
     assert logits.shape[-1] == vocab + 8
 
 
-def test_a_static_cache_is_refused_by_name(model):
-    with pytest.raises(ValueError, match="cache_implementation='static'"):
-        model.generate(**tiny_inputs(batch=2), max_new_tokens=3, cache_implementation="static")
+@pytest.mark.parametrize(
+    "decoding",
+    [{}, {"do_sample": True, "top_k": 5, "num_return_sequences": 2}, {"num_beams": 3}],
+    ids=["greedy", "sample", "beams"],
+)
+def test_a_static_cache_decodes_the_full_model_as_the_dynamic_cache_does(model, decoding):
+    outputs = []
+    for cache in ({}, {"cache_implementation": "static"}):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            outputs.append(model.generate(**tiny_inputs(batch=3), max_new_tokens=6, return_dict_in_generate=True,
+                                          output_scores=True, **decoding, **cache))  # fmt: skip
+    dynamic, static = outputs
+    assert type(static.past_key_values.self_attention_cache).__name__ == "StaticCache"
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(static.scores, dynamic.scores, strict=True))
+
+
+def test_a_static_cache_reads_a_decoder_attention_mask_like_the_teacher_forced_pass(model):
+    from transformers import EncoderDecoderCache, StaticCache
+
+    kwargs = teacher_forced(length=5)
+    mask = torch.ones_like(kwargs["decoder_input_ids"])
+    mask[1, :2] = 0  # the second row's decoder prompt is left-padded
+    with torch.no_grad():
+        whole = model(**kwargs, decoder_attention_mask=mask, use_cache=False).logits
+        encoder_outputs = model.get_encoder()(kwargs["input_ids"], kwargs["attention_mask"], kwargs["pixel_values"])
+        source = encoder_outputs.last_hidden_state.shape[1]
+        cache = EncoderDecoderCache(StaticCache(model.config, max_cache_len=8), StaticCache(model.config, source))
+        steps, ids = [], kwargs["decoder_input_ids"]
+        for start, stop in ((0, 3), (3, 4), (4, 5)):  # a prompt of three tokens, then one token at a time
+            out = model(encoder_outputs=encoder_outputs, decoder_input_ids=ids[:, start:stop], past_key_values=cache,
+                        decoder_attention_mask=mask[:, :stop])  # fmt: skip
+            steps.append(out.logits)
+    attended = mask.bool()  # a pad's own logits attend nothing and are never read
+    assert torch.allclose(torch.cat(steps, dim=1)[attended], whole[attended], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"exit_threshold": 0.5}, {"exit_policy": "confidence", "exit_threshold": 0.3, "exit_mode": "speculative"}],
+    ids=["exits", "speculative"],
+)
+def test_a_static_cache_is_refused_with_decoder_exits_by_name(model, knobs):
+    with pytest.raises(ValueError, match="cache_implementation='static'` serves the full decoder only"):
+        model.generate(**tiny_inputs(batch=2), max_new_tokens=3, cache_implementation="static", **knobs)
+
+
+def test_the_compiled_static_cache_decode_equals_eager():
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model = tiny_model(decoder_layers=DECODER_LAYERS, encoder_layers=ENCODER_LAYERS).eval()
+    compile_config = CompileConfig(fullgraph=True)  # the whole decoding step in one graph, no break
+    compile_config._compile_all_devices = True  # Transformers compiles on GPUs only unless asked
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        eager = model.generate(**tiny_inputs(batch=3), max_new_tokens=6)
+        compiled = [
+            model.generate(**tiny_inputs(batch=3), max_new_tokens=6, cache_implementation="static",
+                           compile_config=compile_config)
+            for _ in range(2)
+        ]  # fmt: skip
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # compiled once, and every step reused it
+    assert all(torch.equal(sequences, eager) for sequences in compiled)
 
 
 @pytest.mark.parametrize("row_exit", ["keep", "compact"])
