@@ -13,9 +13,11 @@ any number of rows), and reports the decoder's measured layer costs with the pla
 `task_benchmark` is the proof on a trained model: the full model and the early-exit model side by side on the same
 test inputs, in one process, paired batch by batch and repeated (`paired_seconds`): quality, expected time reduction
 (layers run, weighted by each part's cost per layer, measured on this machine by `measure_part_costs`, and by FLOPs
-as MuE counts), the wall-clock ratio and per-part times. `measure_part_costs` times each part at full depth and
-forced to exit after its first layer, so the difference is what its other layers cost and the rest is what runs at
-any depth (the image stem, embeddings, output projection and the `generate` loop).
+as MuE counts), the wall-clock ratio and per-part times; and, unless asked not to, the full model compiled
+(`compiled_full_decoding`: a static cache, each decoding step one `torch.compile` graph), the fastest full model a
+user could run instead, so that every speedup is also stated against it. `measure_part_costs` times each part at
+full depth and forced to exit after its first layer, so the difference is what its other layers cost and the rest is
+what runs at any depth (the image stem, embeddings, output projection and the `generate` loop).
 
 `training_step_benchmark` times one training step (forward + backward) of the same model and batch under each exit
 loss, interleaved, to show what training the exits costs against plain fine-tuning.
@@ -368,6 +370,17 @@ def round_seconds(
     return times
 
 
+def compiled_full_decoding() -> dict:
+    """`generate` arguments that decode the full model compiled: a static cache, and every decoding step one graph
+    (`fullgraph=True`, so a graph break is an error, not a slow run). The warm-up round of `paired_seconds` pays for
+    the compilation (tens of seconds on a CPU), and each new batch shape recompiles there too."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True  # Transformers' flag to compile on a CPU too (by default, GPUs only)
+    return {"cache_implementation": "static", "compile_config": config}
+
+
 def task_benchmark(
     model,
     processor,
@@ -377,19 +390,25 @@ def task_benchmark(
     meteor: bool = False,
     speculative: dict | None = None,
     progress: str | None = None,
+    compiled_full: bool = False,
 ) -> dict:
     """Full model vs `knobs` on the same inputs (`paired_seconds`): quality, expected time reduction, wall clock,
     tokens per second, per-part times; with `speculative` (knobs with `exit_mode="speculative"`), that mode too,
-    timed in the same rounds (`speculative_report`). `progress`: the description of a progress bar over the batches
-    (None: none). Returns the JSON object `hf-earlyexit bench --json` prints."""
+    timed in the same rounds (`speculative_report`); with `compiled_full`, the full model compiled
+    (`compiled_full_decoding`) too, and each mode's speedup over it. `progress`: the description of a progress bar
+    over the batches (None: none). Returns the JSON object `hf-earlyexit bench --json` prints."""
     config, settings = model.config, {"full": {}, "early_exit": knobs}
+    decoding = {"full_compiled": compiled_full_decoding()} if compiled_full else {}  # beyond the knobs, per run
     if speculative is not None:
         settings["speculative"] = speculative
+    if compiled_full:
+        settings["full_compiled"] = {}
     batch_runs: dict[str, list[TaskRun | None]] = {name: [None] * len(inputs.batches) for name in settings}
 
     def generate(name: str) -> Callable[[int], None]:
         def run(index: int) -> None:  # every round decodes the same; the last one's outputs are scored
-            batch_runs[name][index] = run_batch(model, processor, inputs.task, inputs.batches[index], settings[name])
+            batch, extra = inputs.batches[index], decoding.get(name, {})
+            batch_runs[name][index] = run_batch(model, processor, inputs.task, batch, settings[name], **extra)
 
         return run
 
@@ -455,6 +474,14 @@ def task_benchmark(
         report["speculative"] = {**side("speculative"), **speculative_report(runs, seconds)}
         report["speculative"]["round_time_shares"] = round_time_shares(model, processor, inputs, speculative)
         report["speculative"]["settings"] = speculative
+    if compiled_full:
+        report["full_compiled"] = {
+            **side("full_compiled"),
+            "same_outputs_as_full": runs["full_compiled"].predictions == runs["full"].predictions,
+            "speedup_over_full": round(seconds["full"] / seconds["full_compiled"], 3),
+        }
+        for name in [name for name in ("early_exit", "speculative") if name in settings]:
+            report[name]["speedup_over_compiled_full"] = round(seconds["full_compiled"] / seconds[name], 3)
     return report
 
 
@@ -503,9 +530,11 @@ def model_benchmark(
     device: str | torch.device = "cpu",
     dtype: str = "float32",
     meteor: bool = False,
+    compiled_full: bool = True,
 ) -> dict:
     """`task_benchmark` of a loaded model with `knobs` on task `task`'s first `samples` test rows, with the model
-    moved to `device` and `dtype`. ValueError when `knobs` make no part exit."""
+    moved to `device` and `dtype`, beside the compiled full model unless `compiled_full=False`. ValueError when
+    `knobs` make no part exit."""
     speculative = None
     if knobs.get("exit_mode") == "speculative":  # beside the lossy exits of the same settings and saved defaults
         speculative = knobs
@@ -519,7 +548,7 @@ def model_benchmark(
     model.to(device=device, dtype=getattr(torch, dtype))
     inputs = task_inputs(task, processor, "test", samples, batch_size, model.device)
     progress = f"timing {task} ({len(inputs.batches)} batches)"
-    return task_benchmark(model, processor, inputs, knobs, repeats, meteor, speculative, progress)
+    return task_benchmark(model, processor, inputs, knobs, repeats, meteor, speculative, progress, compiled_full)
 
 
 def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str) -> dict:
@@ -538,6 +567,7 @@ def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str
 
 __all__ = [
     "checked_device",
+    "compiled_full_decoding",
     "forced_exit_benchmark",
     "measure_part_costs",
     "model_benchmark",

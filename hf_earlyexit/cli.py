@@ -175,7 +175,9 @@ def bench_model(args: argparse.Namespace, device: "torch.device") -> dict[str, A
     model, processor = load_model_and_processor(args.model_dir)
     knobs = run_knobs(model, args.full, **given_knobs(args))
     run = dict(samples=args.samples, batch_size=args.batch_size, repeats=args.repeats, device=device, dtype=args.dtype)
-    return model_benchmark(model, processor, args.task, knobs, meteor=args.meteor, **run)
+    return model_benchmark(
+        model, processor, args.task, knobs, meteor=args.meteor, compiled_full=args.compiled_full, **run
+    )
 
 
 def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> dict[str, Any]:
@@ -376,6 +378,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("model_dir", nargs="?", help="a saved model: the task benchmark")
     bench.add_argument("--task", default="caption", choices=task_names, help="with MODEL_DIR (default caption)")
     bench.add_argument("--meteor", action="store_true", help="with MODEL_DIR: also METEOR for captions")
+    bench.add_argument(
+        "--compiled-full",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with MODEL_DIR: also time the full model compiled (static cache, torch.compile), and each speedup over "
+        "it; compiling takes tens of seconds per batch shape (default on)",
+    )
     add_task_arguments(bench, samples=100, batch_size=1)
     add_knob_arguments(bench)
     bench.add_argument("--forced-exit", type=int, help="exit every row after this many layers")
@@ -451,6 +460,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
         base_model=args.base_model,
         license=args.license,
         pipeline_tag=args.pipeline_tag,
+        progress=True,
     )
     print(f"Assembled and validated {published.folder} (loads and generates without hf_earlyexit).")
     print(published.folder if args.dry_run else f"Published {published.url}")

@@ -224,6 +224,11 @@ def check_card(folder: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def say(progress: bool, stage: str) -> None:
+    if progress:
+        print(f"{stage} ...", file=sys.stderr, flush=True)
+
+
 def publish(
     model_dir: str | Path,
     repo_id: str,
@@ -232,24 +237,33 @@ def publish(
     output_dir: str | Path | None = None,
     token: str | None = None,
     commit_message: str = "Upload OFA-EE model with hf-earlyexit",
+    progress: bool = False,
     **assemble_kwargs,
 ) -> Published:
     """Assemble `model_dir` for `repo_id` (in `output_dir`, default a folder named after the repo), validate it,
     and unless `dry_run` create the repository and upload the folder. The token is `token`, else the one
     `huggingface_hub` finds (`HF_TOKEN`, `hf auth login`). Bad input raises ValueError before anything is written
-    or sent; a failed upload raises PublishError, keeping the folder."""
+    or sent; a failed upload raises PublishError, keeping the folder. `progress`: each stage is announced on stderr,
+    and the upload shows `huggingface_hub`'s progress bars."""
     from huggingface_hub import HfApi, get_token
+    from huggingface_hub.utils import enable_progress_bars
 
     check_repo_id(repo_id)
     check_model_dir(Path(model_dir))
     token = token or get_token()
     if not dry_run and not token:
         raise ValueError("No Hugging Face token: set HF_TOKEN, run `hf auth login`, or pass --token.")
-    folder = assemble(model_dir, Path(output_dir or repo_id.split("/")[-1]), repo_id, **assemble_kwargs)
+    folder = Path(output_dir or repo_id.split("/")[-1])
+    say(progress, f"assembling {folder}")
+    folder = assemble(model_dir, folder, repo_id, **assemble_kwargs)
     check_card(folder)
+    say(progress, "validating: a fresh process, without hf_earlyexit, loads it with remote code and generates")
     report = validate_folder(folder)
     if dry_run:
         return Published(folder, None, report)
+    say(progress, f"uploading to {repo_id}")
+    if progress:
+        enable_progress_bars()
     api = HfApi(token=token)
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")

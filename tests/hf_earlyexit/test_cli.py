@@ -210,7 +210,13 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     assert set(report["per_part_seconds"]) >= {"decoder_layer_per_token", "encoder_image_layer_per_sample"}
 
     assert report["device"].startswith("cpu (") and report["dtype"] == "float32"
+    compiled = report["full_compiled"]  # by default, the compiled full model beside the eager one
+    assert compiled["same_outputs_as_full"] and compiled["quality"] == report["full"]["quality"]
+    assert compiled["speedup_over_full"] == pytest.approx(report["full"]["seconds"] / compiled["seconds"], rel=1e-2)
+    assert report["early_exit"]["speedup_over_compiled_full"] > 0
 
+    argv.append("--no-compiled-full")  # compiling takes tens of seconds: once is enough here
+    assert main([*argv, "--json"]) == 0 and "full_compiled" not in json.loads(capsys.readouterr().out)
     assert main([*argv, "--kv-strategy", "copy", "--json"]) == 0  # one knob given: the calibrated ones stay
     assert json.loads(capsys.readouterr().out)["early_exit"]["settings"] == {**saved, "kv_strategy": "copy"}
     speculative_argv = [*argv, "--exit-mode", "speculative", "--exit-threshold", "0.5", "--exit-policy", "confidence"]

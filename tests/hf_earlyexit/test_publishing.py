@@ -213,7 +213,9 @@ def test_cli_dry_run_prints_the_folder_and_errors_are_one_line(model_dir, tmp_pa
     monkeypatch.setattr(publishing, "validate_folder", lambda folder: {})
     monkeypatch.chdir(tmp_path)
     assert main(["publish", str(model_dir), "--repo-id", REPO_ID, "--dry-run", "--license", "mit"]) == 0
-    assert capsys.readouterr().out.strip().endswith("ofa-ee-tiny")
+    printed = capsys.readouterr()
+    assert printed.out.strip().endswith("ofa-ee-tiny")
+    assert [line.split()[0] for line in printed.err.splitlines()] == ["assembling", "validating:"]  # its stages
     assert ModelCard.load(tmp_path / "ofa-ee-tiny" / "README.md").data.license == "mit"
 
     monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
