@@ -54,6 +54,12 @@ class TaskInputs:
     def samples(self) -> int:
         return len(self.targets)
 
+    def head(self, samples: int) -> "TaskInputs":
+        """The first batches, as many as hold `samples` rows (all of them when the split is smaller)."""
+        size = self.batches[0]["input_ids"].shape[0]
+        count = -(-samples // size)
+        return TaskInputs(self.task, self.batches[:count], self.targets[: count * size])
+
 
 def task_inputs(
     name: str, processor, split: str, samples: int, batch_size: int, device: str | torch.device = "cpu"
