@@ -84,9 +84,11 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
 
 
-def median_seconds(functions: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
+def median_seconds(
+    functions: dict[str, Callable[[], object]], repeats: int, device: torch.device, progress: str | None = None
+) -> dict[str, float]:
     """Median wall-clock of each function: `paired_seconds` with one batch."""
-    return paired_seconds({name: lambda _, f=f: f() for name, f in functions.items()}, 1, repeats, device)
+    return paired_seconds({name: lambda _, f=f: f() for name, f in functions.items()}, 1, repeats, device, progress)
 
 
 @torch.no_grad()
@@ -100,8 +102,12 @@ def forced_exit_benchmark(
     repeats: int = 3,
     device: str | torch.device = "cpu",
     dtype: str = "float32",
+    progress: bool = False,
 ) -> dict:
-    """Time full, forced-exit and truncated models (random weights of `preset` size); returns a JSON-ready dict."""
+    """Time full, forced-exit and truncated models (random weights of `preset` size); returns a JSON-ready dict.
+    `progress`: a progress bar over the stages (the two encoders, then each batch size)."""
+    from tqdm.auto import tqdm
+
     torch.manual_seed(0)
     config = OFAEarlyExitConfig.from_preset(preset)
     if not 1 <= forced_exit < min(config.encoder_layers, config.decoder_layers):
@@ -128,6 +134,7 @@ def forced_exit_benchmark(
         "decoder_plan": {},
     }
 
+    stages = tqdm(total=2 + len(batch_sizes), desc=f"timing OFA-{preset}", disable=not progress)
     inputs = random_inputs(config, encoder_batch_size, image_size, torch_device, torch_dtype)
     for mode, decomposed, parts in (
         ("joint", False, ("encoder",)),
@@ -145,6 +152,7 @@ def forced_exit_benchmark(
             torch_device,
         )
         report["encoder"][mode] = summary(seconds, forced_exit / config.encoder_layers, encoder_batch_size, "s")
+        stages.update()
     model.config.decompose_encoder_modalities = truncated.config.decompose_encoder_modalities = False
 
     for batch in batch_sizes:
@@ -185,6 +193,8 @@ def forced_exit_benchmark(
             )
             for strategy in KV_STRATEGIES
         }
+        stages.update()
+    stages.close()
     return report
 
 
@@ -243,10 +253,11 @@ def training_step_benchmark(
     image_size: int = 384,
     target_length: int = 16,
     repeats: int = 3,
+    progress: bool = False,
 ) -> dict:
     """Median seconds of one training step (forward + backward, no optimizer step: that is the same for every
     loss) per exit loss, on one random batch and one model of `preset` size (a preset name or a config); ratios
-    are against "none"."""
+    are against "none". `progress`: a progress bar while it times."""
     from .trainers import EarlyExitTrainer, EarlyExitTrainingArguments
 
     if "none" not in exit_losses:
@@ -277,6 +288,7 @@ def training_step_benchmark(
             {loss: lambda trainer=trainer: step(trainer) for loss, trainer in trainers.items()},
             repeats,
             torch.device("cpu"),
+            f"timing a training step per exit loss ({repeats} rounds after a warm-up)" if progress else None,
         )
     return {
         "model": f"OFA-{preset} (random weights)" if isinstance(preset, str) else "the given config (random weights)",

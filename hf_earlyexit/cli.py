@@ -46,7 +46,7 @@ def check_samples(args: argparse.Namespace) -> None:
 def cmd_convert(args: argparse.Namespace) -> None:
     from .convert import convert_checkpoint
 
-    model = convert_checkpoint(args.source, args.target)
+    model = convert_checkpoint(args.source, args.target, progress=True)
     print(f"converted {args.source} -> {args.target} ({model.num_parameters() / 1e6:.1f}M parameters)")
     if args.tokenizer:
         processor = build_processor(args.tokenizer, args.image_size, model.config.vocab_size)
@@ -197,6 +197,7 @@ def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> di
             image_size=args.image_size,
             target_length=args.new_tokens,
             repeats=args.repeats,
+            progress=True,
         )
     return forced_exit_benchmark(
         args.forced_exit,
@@ -208,6 +209,7 @@ def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> di
         repeats=args.repeats,
         device=device,
         dtype=args.dtype,
+        progress=True,
     )
 
 

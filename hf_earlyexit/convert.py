@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import re
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -254,9 +255,14 @@ def load_converted_model(
     return model.eval()
 
 
-def convert_checkpoint(source: str | Path, target: str | Path) -> EarlyExitOFAForConditionalGeneration:
-    """Convert an official OFA checkpoint at `source` and save it (safetensors + remote code) to `target`."""
+def convert_checkpoint(
+    source: str | Path, target: str | Path, progress: bool = False
+) -> EarlyExitOFAForConditionalGeneration:
+    """Convert an official OFA checkpoint at `source` and save it (safetensors + remote code) to `target`.
+    `progress`: each stage is announced on stderr once the checkpoint has been read."""
     state_dict, port_config = load_official_checkpoint(source)
+    if progress:
+        print(f"read {source}; converting and saving to {target} ...", file=sys.stderr, flush=True)
     state_dict = clean_state_dict(state_dict)
     model = load_converted_model(state_dict, infer_config(state_dict, port_config))
     model.save_pretrained(target)

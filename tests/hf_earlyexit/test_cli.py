@@ -61,7 +61,9 @@ def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_to
         ]
     )
     assert status == 2  # the fixture's 1000-token vocabulary cannot take the 59457-token OFA tokenizer
-    assert "59457 tokens but the model's vocabulary has 1000" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"converting and saving to {tmp_path / 'out'} ..." in err  # the conversion itself went through
+    assert "59457 tokens but the model's vocabulary has 1000" in err
 
 
 @pytest.mark.parametrize(
@@ -101,7 +103,9 @@ def test_user_errors_are_one_line(tmp_path, capsys, make_argv, message):
 def test_bench_prints_json_with_realized_and_ideal_speedups(capsys):
     argv = ["bench", "--forced-exit", "1", "--preset", "tiny", "--image-size", "64", "--batch-sizes", "1,2"]
     assert main([*argv, "--new-tokens", "2", "--repeats", "1", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    report = json.loads(printed.out)
+    assert "timing OFA-tiny" in printed.err and "4/4" in printed.err  # its progress: two encoders, two batch sizes
     assert report["forced_exit"] == 1 and set(report["encoder"]) == {"joint", "decomposed"}
     assert set(report["decoder"]) == {"batch_1", "batch_2"}
     for strategy in ("propagate", "copy", "recompute"):
@@ -129,7 +133,9 @@ def test_bench_prints_json_with_realized_and_ideal_speedups(capsys):
 def test_bench_training_step_times_each_exit_loss(capsys):
     argv = ["bench", "--training-step", "--preset", "tiny", "--image-size", "32", "--batch-sizes", "1"]
     assert main([*argv, "--new-tokens", "2", "--repeats", "1", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    report = json.loads(printed.out)
+    assert "timing a training step per exit loss" in printed.err
     assert set(report["seconds_per_step"]) == {"none", "layerwise"} and report["ratio_to_none"]["none"] == 1.0
     assert report["ratio_to_none"]["layerwise"] > 0
 
