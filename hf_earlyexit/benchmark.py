@@ -308,7 +308,7 @@ def measure_part_costs(model, inputs: TaskInputs, repeats: int = 3, samples: int
     embeddings; seconds per generated token of one decoder layer and of the rest of a decoding step. Timed on the
     first `samples` rows of `inputs` at full depth and with each part forced to exit after its first layer
     (fixed-length decoding): costs per row and token are averages, steady long before a whole split."""
-    config, device, inputs = model.config, model.device, inputs.head(samples)
+    config, device, inputs = model.config, model.device, inputs.split_at(samples)[0]
     encoder, decoder_layers, encoder_layers = model.get_encoder(), config.decoder_layers, config.encoder_layers
     parts = ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
     first_layer = FixedLayerExit(1)

@@ -1,31 +1,36 @@
 """Choosing exit thresholds from a sweep: the Pareto frontier of quality vs expected time reduction, the fastest
-setting within a quality tolerance of the full model, and the same choice with a statistical guarantee
-(Learn then Test, Angelopoulos et al. 2021: fixed-sequence testing with Hoeffding p-values, as CALM does).
+setting within a quality tolerance of the full model, or the fastest setting Learn then Test certifies
+(`risk_control`: with probability 1 - delta, its risk against the full model is at most the level asked for).
 
 `sweep` evaluates each candidate setting of a grid on a calibration split and records an `OperatingPoint`; the
 choosing functions only choose among points, so they are exact on any score table. `calibrate` is the whole run
 behind `hf-earlyexit calibrate`: sweep every task, choose one setting for all, and save it as the model's defaults.
+A certificate needs the order of its fixed-sequence test fixed before the tested samples are seen: `calibrate` with
+a `risk` orders the grid on the first `ORDERING_SHARE` of each task's samples and tests on the rest.
 """
 
 import itertools
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .benchmark import measure_part_costs
-from .evaluation import TaskInputs, disagreement, run_task, score, task_inputs
+from .evaluation import TaskInputs, disagreement, relative_drop, run_task, score, task_inputs
 from .measures import PartCosts, expected_time_reduction
 from .modeling.exit_knobs import ENCODER_PARTS, EXIT_KNOBS
 from .modeling.generation_early_exit import EarlyExitSettings
+from .risk_control import LossKind, check_risk, fixed_sequence_test, samples_needed
+from .tasks import get_task
 
 # The default grid: the decoder's policies with their thresholds, and the encoder streams' similarity thresholds.
 # The encoder's reach down to 0.9: on the embedded model a stream's layer-2 output is 0.88-0.94 similar to its
 # input, so a grid starting at 0.95 never let a stream stop before layer 3.
 DECODER_THRESHOLDS = {"similarity": (0.95, 0.98), "confidence": (0.6, 0.8, 0.9, 0.95)}
 ENCODER_THRESHOLDS = (0.9, 0.93, 0.95, 0.98)
+# With a risk to certify: the share of each task's calibration samples that orders the grid; the rest are tested.
+ORDERING_SHARE = 0.25
 
 
 @dataclass
@@ -37,8 +42,9 @@ class OperatingPoint:
     expected_time_reduction: 1 - (cost-weighted layers run) / (the full model's), in [0, 1), batch-aware at the
         batch size the point was evaluated with (a step costs its deepest row).
     seconds: measured wall-clock of the split, when timed.
-    sample_losses: per sample, a loss in [0, 1] against the full model (e.g. 1 if the answer differs); what Learn
-        then Test controls.
+    sample_losses: per sample, a loss in [0, 1] against the full model (the task's `risk_loss`: 1 if the answer
+        differs, or a caption's relative CIDEr drop); what Learn then Test controls.
+    sample_scores: per sample, the quality (captions' CIDEr), when the task's loss needs it.
     predictions: the outputs, when the point came from a `sweep`.
     shallowest_encoder_exit: the fewest encoder layers any sample's image or text ran, when it came from a `sweep`.
     per_row_time_reduction: the same counting each row's own layers (the papers' figure), from a `sweep`.
@@ -49,6 +55,7 @@ class OperatingPoint:
     expected_time_reduction: float
     seconds: float | None = None
     sample_losses: list[float] | None = field(default=None, repr=False)
+    sample_scores: list[float] | None = field(default=None, repr=False)
     predictions: list[str] | None = field(default=None, repr=False)
     shallowest_encoder_exit: int | None = None
     per_row_time_reduction: float | None = None
@@ -74,34 +81,37 @@ def fastest_within_tolerance(
     return max(eligible, key=lambda p: (p.expected_time_reduction, p.quality), default=None)
 
 
-def hoeffding_p_value(mean_loss: float, samples: int, risk_level: float) -> float:
-    """p-value of "the expected loss exceeds `risk_level`" given an empirical mean of losses in [0, 1]."""
-    if mean_loss >= risk_level:
-        return 1.0
-    return math.exp(-2 * samples * (risk_level - mean_loss) ** 2)
+def settings_key(settings: dict[str, Any]) -> str:
+    return json.dumps(settings, sort_keys=True)
+
+
+def test_order(points: Sequence[OperatingPoint], ordering: Sequence[OperatingPoint]) -> list[OperatingPoint]:
+    """`points` from the least to the most aggressive by the expected time reduction of the same settings in
+    `ordering` (measured on other samples); ValueError when `ordering` lacks a setting or a point lacks losses."""
+    reductions = {settings_key(point.settings): point.expected_time_reduction for point in ordering}
+    for point in points:
+        if settings_key(point.settings) not in reductions:
+            raise ValueError(f"The ordering split has no point for the setting {point.settings}.")
+        if not point.sample_losses:
+            raise ValueError(f"Learn then Test needs per-sample losses; the point {point.settings} has none.")
+    return sorted(points, key=lambda point: reductions[settings_key(point.settings)])
 
 
 def learn_then_test(
-    points: Sequence[OperatingPoint], risk_level: float = 0.01, delta: float = 0.1
-) -> OperatingPoint | None:
-    """Learn then Test with fixed-sequence testing: walk the points from the least to the most aggressive (by
-    expected time reduction), keep going while each rejects "expected loss > `risk_level`" at level `delta`, and
-    return the last one that did. With probability at least 1 - delta over the calibration split, the returned
-    setting's expected loss on new data from the same distribution is at most `risk_level`. None if even the most
-    conservative point fails."""
-    if not 0 < risk_level < 1 or not 0 < delta < 1:
-        raise ValueError(f"`risk_level` and `delta` must lie in (0, 1), got {risk_level} and {delta}.")
-    chosen = None
-    for point in sorted(points, key=lambda p: p.expected_time_reduction):
-        if not point.sample_losses:
-            raise ValueError(f"Learn then Test needs per-sample losses; the point {point.settings} has none.")
-        losses = point.sample_losses
-        if any(not 0 <= loss <= 1 for loss in losses):
-            raise ValueError(f"Per-sample losses must lie in [0, 1]; the point {point.settings} has others.")
-        if hoeffding_p_value(sum(losses) / len(losses), len(losses), risk_level) > delta:
-            break
-        chosen = point
-    return chosen
+    points: Sequence[OperatingPoint],
+    ordering: Sequence[OperatingPoint],
+    risk_level: float = 0.01,
+    delta: float = 0.1,
+    loss: LossKind = "binary",
+) -> list[tuple[OperatingPoint, float]]:
+    """Learn then Test: fixed-sequence testing of `points` (per-sample losses of kind `loss` on the tested samples)
+    from the least to the most aggressive, by the expected time reductions of `ordering` (`test_order`). Returns the
+    certified points with their p-values: with probability at least 1 - delta over the tested samples, every one of
+    them has expected loss at most `risk_level` on new data from the same distribution. Empty when even the first
+    setting fails."""
+    ordered = test_order(points, ordering)
+    p_values = fixed_sequence_test([point.sample_losses for point in ordered], risk_level, delta, loss)
+    return list(zip(ordered, p_values, strict=False))  # the certified prefix
 
 
 def calibration_grid(
@@ -130,34 +140,48 @@ def calibration_grid(
 
 
 def sweep(
-    model, processor, inputs: TaskInputs, grid: Sequence[dict[str, Any]], costs: PartCosts, progress: bool = True
+    model,
+    processor,
+    inputs: TaskInputs,
+    grid: Sequence[dict[str, Any]],
+    costs: PartCosts,
+    progress: bool = True,
+    label: str = "calibrating",
 ) -> tuple[OperatingPoint, list[OperatingPoint]]:
     """The full model and every setting of `grid` on `inputs`: quality, expected time reduction (with `costs`),
-    seconds, and per sample whether the answer differs from the full model's (the Learn-then-Test loss)."""
+    seconds, and per sample the task's `risk_loss` against the full model (what Learn then Test controls).
+    `label`: the progress bar's first word."""
     from tqdm.auto import tqdm
 
-    config, batch_size = model.config, inputs.batches[0]["input_ids"].shape[0]
+    config, batch_size, task = model.config, inputs.batches[0]["input_ids"].shape[0], inputs.task
+    per_sample = task.risk_loss == "bounded"
 
-    def evaluate(knobs: dict[str, Any], reference: list[str] | None) -> OperatingPoint:
+    def evaluate(knobs: dict[str, Any], full: OperatingPoint | None) -> OperatingPoint:
         run = run_task(model, processor, inputs, knobs)
         encoder_layers_run = run.encoder_exit_layers[run.encoder_exit_layers > 0]  # 0: a modality the input lacks
         layers = (run.encoder_exit_layers, run.decoder_exit_layers, costs, config.encoder_layers, config.decoder_layers)
+        scores = score(task, run.predictions, inputs.targets, per_sample=per_sample)
+        sample_scores = scores.get(f"{task.quality_key}_per_sample")
+        if full is None:
+            losses = [0.0] * len(run.predictions)
+        elif per_sample:
+            losses = relative_drop(sample_scores, full.sample_scores)
+        else:
+            losses = disagreement(run.predictions, full.predictions)
         return OperatingPoint(
             settings=knobs,
-            quality=score(inputs.task, run.predictions, inputs.targets)[inputs.task.quality_key],
+            quality=scores[task.quality_key],
             expected_time_reduction=expected_time_reduction(*layers, batch_size),
             seconds=run.seconds,
-            sample_losses=disagreement(run.predictions, reference if reference is not None else run.predictions),
+            sample_losses=losses,
+            sample_scores=sample_scores,
             predictions=run.predictions,
             shallowest_encoder_exit=int(encoder_layers_run.min()) if encoder_layers_run.numel() else None,
             per_row_time_reduction=expected_time_reduction(*layers),
         )
 
     full = evaluate({}, None)
-    points = [
-        evaluate(knobs, full.predictions)
-        for knobs in tqdm(grid, desc=f"calibrating {inputs.task.name}", disable=not progress)
-    ]
+    points = [evaluate(knobs, full) for knobs in tqdm(grid, desc=f"{label} {task.name}", disable=not progress)]
     return full, points
 
 
@@ -168,12 +192,22 @@ def fastest_for_every_task(
     the full model on every task, the one with the largest mean expected time reduction (None if none is)."""
     if not 0 <= tolerance < 1:
         raise ValueError(f"`tolerance` must lie in [0, 1), got {tolerance}.")
+    return fastest_on_every_task(
+        {
+            name: [point for point in points if point.quality >= (1 - tolerance) * full.quality]
+            for name, (full, points) in sweeps.items()
+        }
+    )
+
+
+def fastest_on_every_task(eligible: dict[str, Sequence[OperatingPoint]]) -> dict[str, Any] | None:
+    """Among the settings eligible on every task (per task, its eligible points), the one with the largest mean
+    expected time reduction; None if no setting is eligible on all."""
     by_setting: dict[str, list[OperatingPoint]] = {}
-    for full, points in sweeps.values():
+    for points in eligible.values():
         for point in points:
-            if point.quality >= (1 - tolerance) * full.quality:
-                by_setting.setdefault(json.dumps(point.settings, sort_keys=True), []).append(point)
-    complete = {key: points for key, points in by_setting.items() if len(points) == len(sweeps)}
+            by_setting.setdefault(settings_key(point.settings), []).append(point)
+    complete = {key: points for key, points in by_setting.items() if len(points) == len(eligible)}
     best = max(
         complete.items(),
         key=lambda item: sum(p.expected_time_reduction for p in item[1]) / len(item[1]),
@@ -228,34 +262,47 @@ def calibrate(
     plot: Callable[[Sweeps, dict[str, Any] | None], Path] | None = None,
     write_to: str | Path | None = None,
     progress: bool = True,
+    risk: float | None = None,
 ) -> dict[str, Any]:
     """Sweep the grid of `decoder_thresholds` x `batch_rules` x `encoder_thresholds` on each task's first `samples`
-    rows of `split`
-    in batches of `batch_size` and choose the fastest setting (by the batch-aware expected time reduction) within
-    `tolerance` of the full model on every task (with the shallowest encoder exit seen as `encoder_min_exit_layer`).
-    Returns the JSON report `hf-earlyexit calibrate` prints: per task the full quality, the Pareto frontier, the
-    Learn-then-Test choice at level `delta` and the chosen setting's point.
+    rows of `split` in batches of `batch_size` and choose the fastest setting (by the batch-aware expected time
+    reduction) within `tolerance` of the full model on every task (with the shallowest encoder exit seen as
+    `encoder_min_exit_layer`). Returns the JSON report `hf-earlyexit calibrate` prints: per task the full quality,
+    the Pareto frontier and the chosen setting's point.
+
+    risk: certify instead. Each task's first `ORDERING_SHARE` of samples orders the grid, the rest are tested:
+        the choice is the fastest setting Learn then Test certifies on every task at risk level `risk` and error
+        level `delta` (each task's `risk_loss`), and each task's report holds its certificate, or, when no setting
+        is certified on every task, where its fixed sequence stopped and the samples that would have certified it.
 
     plot: draws the sweeps with the chosen setting and returns the file, e.g.
         `lambda sweeps, chosen: plots.tradeoff_plot(sweeps, path, chosen)` (a callable: `plots` imports this module).
     write_to: the model's folder, where the choice is saved as its generation defaults and the report as
         calibration.json; ValueError, and nothing written, when no setting is within `tolerance` on every task.
     """
+    if risk is not None:
+        check_risk(risk, delta)
     grid = calibration_grid(model.config, decoder_thresholds, encoder_thresholds, batch_rules)
     # The time reductions are batch-aware, so the choice is for this batch size.
-    report: dict[str, Any] = {
-        "split": split,
-        "batch_size": batch_size,
-        "tolerance": tolerance,
-        "points": len(grid),
-        "tasks": {},
-    }
+    rule = {"tolerance": tolerance} if risk is None else {"risk_level": risk, "delta": delta}
+    report: dict[str, Any] = {"split": split, "batch_size": batch_size, **rule, "points": len(grid), "tasks": {}}
     sweeps: Sweeps = {}
+    orderings: dict[str, tuple[list[OperatingPoint], int]] = {}  # with a risk: per task, its ordering and samples
     for name in tasks:
         inputs = task_inputs(name, processor, split, samples, batch_size)
-        sweeps[name] = sweep(model, processor, inputs, grid, measure_part_costs(model, inputs), progress=progress)
-        report["tasks"][name] = task_report(*sweeps[name], tolerance, delta)
-    chosen = fastest_for_every_task(sweeps, tolerance)
+        costs = measure_part_costs(model, inputs)
+        if risk is not None:
+            ordering_inputs, inputs = inputs.split_at(max(1, round(ORDERING_SHARE * inputs.samples)))
+            if not inputs.batches:
+                raise ValueError(f"{name}: too few samples to both order the grid and test it; give more samples.")
+            _, ordering = sweep(model, processor, ordering_inputs, grid, costs, progress, "ordering the grid on")
+            orderings[name] = (ordering, ordering_inputs.samples)
+        sweeps[name] = sweep(model, processor, inputs, grid, costs, progress=progress)
+        report["tasks"][name] = task_report(*sweeps[name])
+    if risk is None:
+        chosen = fastest_for_every_task(sweeps, tolerance)
+    else:
+        chosen = certified_for_every_task(sweeps, orderings, risk, delta, report["tasks"])
     chosen_points = []
     for name, (full, points) in sweeps.items():
         point = next((p for p in points if p.settings == chosen), None)
@@ -269,12 +316,65 @@ def calibrate(
     return report
 
 
-def task_report(
-    full: OperatingPoint, points: Sequence[OperatingPoint], tolerance: float, delta: float
+def certified_for_every_task(
+    sweeps: Sweeps,
+    orderings: dict[str, tuple[list[OperatingPoint], int]],
+    risk: float,
+    delta: float,
+    task_reports: dict[str, dict[str, Any]],
+) -> dict[str, Any] | None:
+    """The fastest setting Learn then Test certifies on every task (None if none is); each task's certificate goes
+    into its report (`certificate_report`)."""
+    certified = {}
+    for name, (_, points) in sweeps.items():
+        ordering, _ = orderings[name]
+        certified[name] = learn_then_test(points, ordering, risk, delta, get_task(name).risk_loss)
+    chosen = fastest_on_every_task({name: [point for point, _ in pairs] for name, pairs in certified.items()})
+    for name, pairs in certified.items():
+        ordering, ordering_samples = orderings[name]
+        ordered = test_order(sweeps[name][1], ordering)
+        task_reports[name]["certificate"] = certificate_report(
+            get_task(name).risk_loss, ordered, pairs, chosen, risk, delta, ordering_samples
+        )
+    return chosen
+
+
+def certificate_report(
+    loss: LossKind,
+    ordered: Sequence[OperatingPoint],
+    certified: Sequence[tuple[OperatingPoint, float]],
+    chosen: dict[str, Any] | None,
+    risk: float,
+    delta: float,
+    ordering_samples: int,
 ) -> dict[str, Any]:
-    """A task's part of the calibration report: the full model's quality, the Pareto frontier and the setting
-    Learn then Test certifies (risk level `tolerance`, error level `delta`)."""
-    guaranteed = learn_then_test(points, risk_level=tolerance, delta=delta)
+    """A task's Learn-then-Test result: the chosen setting's certificate (its p-value and empirical risk on the tested
+    samples) when it is certified; otherwise where the fixed sequence over `ordered` stopped, with about how many
+    tested samples would certify that setting at its empirical risk (None: none would)."""
+    report = {
+        "loss": loss,
+        "risk_level": risk,
+        "delta": delta,
+        "ordering_samples": ordering_samples,
+        "tested_samples": len(ordered[0].sample_losses),
+        "certified_settings": len(certified),
+    }
+    for point, value in certified:
+        if point.settings == chosen:
+            return {**report, "settings": chosen, "p_value": value, "empirical_risk": mean(point.sample_losses)}
+    if len(certified) < len(ordered):
+        stopped = ordered[len(certified)]
+        rate = mean(stopped.sample_losses)
+        report["stopped_at"] = {
+            "settings": stopped.settings,
+            "empirical_risk": rate,
+            "samples_needed": samples_needed(rate, risk, delta, loss),
+        }
+    return report
+
+
+def task_report(full: OperatingPoint, points: Sequence[OperatingPoint]) -> dict[str, Any]:
+    """A task's part of the calibration report: the full model's quality and the Pareto frontier."""
     return {
         "full_quality": full.quality,
         "pareto_frontier": [
@@ -286,7 +386,6 @@ def task_report(
             }
             for p in pareto_frontier(points)
         ],
-        "learn_then_test": None if guaranteed is None else guaranteed.settings,
     }
 
 
@@ -302,13 +401,28 @@ def chosen_report(point: OperatingPoint, full: OperatingPoint) -> dict[str, Any]
     }
 
 
+def not_chosen(report: dict[str, Any]) -> str:
+    """Why a calibration report chose nothing, in one line (with a risk: the samples that would have certified)."""
+    if "risk_level" not in report:
+        return f"No setting keeps every task within {report['tolerance']:.1%} of the full model"
+    needed = {
+        name: task["certificate"].get("stopped_at", {}).get("samples_needed") for name, task in report["tasks"].items()
+    }
+    return (
+        f"No setting is certified at risk {report['risk_level']:.1%} (delta {report['delta']}) on every task; tested "
+        f"samples that would certify where each task's sequence stopped: {needed}"
+    )
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
 def save_calibration(model, report: dict[str, Any], model_dir: str | Path) -> Path:
     """Save `report["chosen"]` as the generation defaults of `model` in `model_dir` and the report beside it as
     calibration.json; returns the generation config's path. ValueError, nothing written, when nothing was chosen."""
     if report["chosen"] is None:
-        raise ValueError(
-            f"No setting keeps every task within {report['tolerance']:.1%} of the full model: nothing written."
-        )
+        raise ValueError(f"{not_chosen(report)}: nothing written.")
     write_generation_defaults(model, report["chosen"])
     model.generation_config.save_pretrained(model_dir)
     Path(model_dir, "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -322,7 +436,8 @@ __all__ = [
     "calibration_grid",
     "fastest_for_every_task",
     "fastest_within_tolerance",
-    "hoeffding_p_value",
+    "certified_for_every_task",
+    "fastest_on_every_task",
     "learn_then_test",
     "pareto_frontier",
     "save_calibration",

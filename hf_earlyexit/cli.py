@@ -97,8 +97,12 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if args.exit_mode == "speculative":
         calibrate_drafts(args)
         return
-    from .calibration import DECODER_THRESHOLDS, ENCODER_THRESHOLDS, calibrate
+    from .calibration import DECODER_THRESHOLDS, ENCODER_THRESHOLDS, calibrate, not_chosen
     from .plots import tradeoff_plot
+    from .risk_control import check_risk
+
+    if args.risk is not None:  # before the model loads
+        check_risk(args.risk, args.delta)
 
     args.samples, args.batch_size = args.samples or 300, args.batch_size or 64
     check_samples(args)
@@ -118,8 +122,11 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         plot=(lambda sweeps, chosen: tradeoff_plot(sweeps, args.plot, chosen)) if args.plot else None,
         write_to=args.model_dir if args.write else None,
         progress=not args.quiet,
+        risk=args.risk,
     )  # fmt: skip
     print_report(report, args.json)
+    if report["chosen"] is None:
+        print(f"{not_chosen(report)}.", file=sys.stderr)
 
 
 def calibrate_drafts(args: argparse.Namespace) -> None:
@@ -342,9 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     calibrate.add_argument("model_dir")
     calibrate.add_argument("--tasks", default="vqa,entailment,caption", help="comma-separated (default: all three)")
-    calibrate.add_argument("--split", default="validation", choices=["train", "validation", "test"])
+    calibrate.add_argument("--split", default="validation", choices=["train", "validation", "test", "calibration"])
     calibrate.add_argument("--tolerance", type=float, default=0.01, help="quality loss allowed (default 0.01 = 1%%)")
-    calibrate.add_argument("--delta", type=float, default=0.1, help="Learn-then-Test error level (default 0.1)")
+    calibrate.add_argument(
+        "--risk",
+        type=float,
+        help="certify instead (Learn then Test): the fastest setting whose risk against the full model is at most "
+        "this (answers: share that differ; captions: relative CIDEr drop) with probability 1 - delta",
+    )
+    calibrate.add_argument("--delta", type=float, default=0.1, help="with --risk: the error level (default 0.1)")
     calibrate.add_argument("--encoder-thresholds", help="encoder streams' similarity thresholds, comma-separated")
     calibrate.add_argument(
         "--similarity-thresholds", help="decoder, similarity policy ('' = none; default 0.95,0.98, drafts 0.9,0.95)"

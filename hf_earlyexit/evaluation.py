@@ -54,11 +54,14 @@ class TaskInputs:
     def samples(self) -> int:
         return len(self.targets)
 
-    def head(self, samples: int) -> "TaskInputs":
-        """The first batches, as many as hold `samples` rows (all of them when the split is smaller)."""
+    def split_at(self, samples: int) -> tuple["TaskInputs", "TaskInputs"]:
+        """The first batches, as many as hold `samples` rows, and the rest (empty when the split is smaller)."""
         size = self.batches[0]["input_ids"].shape[0]
         count = -(-samples // size)
-        return TaskInputs(self.task, self.batches[:count], self.targets[: count * size])
+        return (
+            TaskInputs(self.task, self.batches[:count], self.targets[: count * size]),
+            TaskInputs(self.task, self.batches[count:], self.targets[count * size :]),
+        )
 
 
 def task_inputs(
@@ -162,12 +165,15 @@ def run_task(
     )
 
 
-def score(task: Task, predictions: list[str], targets: list[str], meteor: bool = False) -> dict[str, Any]:
-    """The task's metric (`task.metric`); METEOR (a Java start-up) only when asked."""
+def score(
+    task: Task, predictions: list[str], targets: list[str], meteor: bool = False, per_sample: bool = False
+) -> dict[str, Any]:
+    """The task's metric (`task.metric`); METEOR (a Java start-up) only when asked; with `per_sample`, captions'
+    CIDEr per sample too (`CIDEr_per_sample`)."""
     metric = load_metric(task.metric)
     if task.metric == "entailment_accuracy":
         return metric.compute(predictions=predictions, references=targets)
-    extra = {"meteor": meteor} if task.metric == "coco_caption" else {}
+    extra = {"meteor": meteor, "per_sample": per_sample} if task.metric == "coco_caption" else {}
     return metric.compute(predictions=predictions, references=[[target] for target in targets], **extra)
 
 
@@ -248,6 +254,16 @@ def caption_images(
     return captions, seconds
 
 
+def relative_drop(scores: list[float], reference_scores: list[float]) -> list[float]:
+    """Per sample, how much of the full model's score was lost, (reference - score) / reference clipped to [0, 1]
+    (0 where the reference scored 0: nothing to lose): the bounded loss Learn then Test controls for captions, whose
+    mean tracks the relative CIDEr drop."""
+    return [
+        min(1.0, max(0.0, (reference - value) / reference)) if reference > 0 else 0.0
+        for value, reference in zip(scores, reference_scores, strict=True)
+    ]
+
+
 def disagreement(predictions: list[str], reference_predictions: list[str]) -> list[float]:
     """Per sample, 1.0 where the answer differs from the full model's (normalised): the loss Learn then Test
     controls."""
@@ -295,6 +311,7 @@ __all__ = [
     "caption_images",
     "disagreement",
     "evaluate_task",
+    "relative_drop",
     "exit_layer_accuracy",
     "flop_costs",
     "normalize_answer",

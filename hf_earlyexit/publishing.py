@@ -122,7 +122,7 @@ def assemble(
     (output_dir / "benchmark.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     if plot is not None:
         shutil.copy(plot, output_dir / "tradeoff.png")
-    recipe_file = output_dir / "training_recipe.json"
+    recipe_file, calibration_file = output_dir / "training_recipe.json", output_dir / "calibration.json"
     card = render_model_card(
         repo_id,
         config,
@@ -130,6 +130,7 @@ def assemble(
         measured_table(records),
         recipe=json.loads(recipe_file.read_text()) if recipe_file.is_file() else None,
         plot="tradeoff.png" if plot is not None else None,
+        calibration=json.loads(calibration_file.read_text()) if calibration_file.is_file() else None,
         **card_fields,
     )
     (output_dir / "README.md").write_text(card)

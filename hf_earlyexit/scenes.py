@@ -22,7 +22,7 @@ SIZES = {
     "large": 0.12,
 }  # radius as a fraction of the image side: shapes in neighbouring cells never touch
 BACKGROUND = (240, 240, 232)
-SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}
+SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2, "calibration": 3}
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,8 @@ def scene(seed: int, index: int, image_size: int = 128) -> tuple[Image.Image, st
 
 
 def shape_scenes(split: str = "train", size: int = 2000, image_size: int = 128) -> datasets.Dataset:
-    """`size` scenes of a split ("train", "validation", "test": disjoint seed streams). Columns: `image`,
-    `caption`, `objects` (number of shapes)."""
+    """`size` scenes of a split ("train", "validation", "test", "calibration": disjoint seed streams, each as long as
+    asked). Columns: `image`, `caption`, `objects` (number of shapes)."""
     if split not in SPLIT_SEEDS:
         raise ValueError(f"Shape scenes have splits {list(SPLIT_SEEDS)}, got {split!r}.")
     if size < 1 or image_size < 32:

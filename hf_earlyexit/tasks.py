@@ -6,7 +6,12 @@
 
 Splits are "train", "validation" (for calibration) and "test" (for the benchmark). easy-VQA publishes train and
 test only, so its validation split is the questions on every tenth training image (image id divisible by 10),
-which "train" leaves out.
+which "train" leaves out. "calibration" is held out from all three, for a certificate that needs thousands of
+samples: shape scenes from their own seed stream, any number of them (`CALIBRATION_SCENES` by default); easy-VQA has
+no more images, so its tasks' "calibration" split is their validation split.
+
+Each task names the per-sample loss Learn then Test certifies (`risk_loss`): "binary" for answers (1 where the
+answer differs from the full model's), "bounded" for captions (the relative CIDEr drop, `evaluation.relative_drop`).
 """
 
 from collections.abc import Callable
@@ -15,17 +20,18 @@ from dataclasses import dataclass
 import datasets
 
 from .data import CAPTION_PROMPT, easy_vqa, easy_vqa_captions, easy_vqa_entailment
+from .risk_control import LossKind
 from .scenes import shape_scenes
 
-SPLITS = ("train", "validation", "test")
-SCENE_SIZES = {"train": 12000, "validation": 500, "test": 1000}
+SPLITS = ("train", "validation", "test", "calibration")
+SCENE_SIZES = {"train": 12000, "validation": 500, "test": 1000, "calibration": 5000}
 
 
 @dataclass(frozen=True)
 class Task:
     """name: the task's key. metric: the `hf_earlyexit.metrics` module that scores it; quality_key: the score the
     calibration and benchmark compare. target_column: the reference in the source data. max_new_tokens / num_beams:
-    how it decodes."""
+    how it decodes. risk_loss: the kind of per-sample loss against the full model that Learn then Test certifies."""
 
     name: str
     metric: str
@@ -33,6 +39,7 @@ class Task:
     target_column: str
     max_new_tokens: int
     num_beams: int
+    risk_loss: LossKind = "binary"
 
     def dataset(self, split: str, size: int | None = None) -> datasets.Dataset:
         """The split's rows (the first `size` of a fixed shuffle when given), with columns `image`, `prompt`,
@@ -54,7 +61,7 @@ class Task:
 TASKS = {
     "vqa": Task("vqa", "vqa_accuracy", "accuracy", "answer", max_new_tokens=4, num_beams=1),
     "entailment": Task("entailment", "entailment_accuracy", "accuracy", "answer", max_new_tokens=4, num_beams=1),
-    "caption": Task("caption", "coco_caption", "CIDEr", "caption", max_new_tokens=24, num_beams=1),
+    "caption": Task("caption", "coco_caption", "CIDEr", "caption", max_new_tokens=24, num_beams=1, risk_loss="bounded"),
 }
 
 
@@ -65,11 +72,11 @@ def get_task(name: str) -> Task:
 
 
 def easy_vqa_split(loader: Callable[[str], datasets.Dataset], split: str) -> datasets.Dataset:
-    """A split of an easy-VQA-derived set: "test" is the published test split; "validation" the rows of every
-    tenth training image, which "train" leaves out."""
+    """A split of an easy-VQA-derived set: "test" is the published test split; "validation" (and "calibration")
+    the rows of every tenth training image, which "train" leaves out."""
     if split == "test":
         return loader("test")
-    held_out = split == "validation"
+    held_out = split in ("validation", "calibration")
     return loader("train").filter(lambda image_id: (image_id % 10 == 0) == held_out, input_columns="image_id")
 
 

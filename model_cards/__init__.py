@@ -88,10 +88,12 @@ def render_model_card(
     license: str | None = None,
     pipeline_tag: str = "image-to-text",
     tags: Sequence[str] = (),
+    calibration: dict[str, Any] | None = None,
 ) -> str:
     """The README.md of a published model: Hub metadata (`tags` after the library's own), then the template in
-    `model_cards/` filled with the usage code, the measured `table` (`measured_table`), the `plot` (a file name in
-    the repository), the training recipe and the limitations."""
+    `model_cards/` filled with the usage code, the guarantee of the defaults (`calibration`: calibration.json, whose
+    per-task certificates `calibrate --risk` wrote), the measured `table` (`measured_table`), the `plot` (a file name
+    in the repository), the training recipe and the limitations."""
     from huggingface_hub import ModelCardData
 
     data = ModelCardData(
@@ -113,6 +115,7 @@ def render_model_card(
         architecture=architecture,
         repo_id=repo_id,
         settings=f"`{json.dumps(knobs)}`" if knobs else "none (the model runs at full depth unless asked to exit)",
+        guarantee=guarantee(calibration),
         table=table,
         plot=f"\n![Quality against expected time reduction]({plot})\n" if plot else "",
         training=training_summary(recipe),
@@ -120,11 +123,39 @@ def render_model_card(
     return f"---\n{data.to_yaml()}\n---\n\n{text}"
 
 
+def guarantee(calibration: dict[str, Any] | None) -> str:
+    """What the saved defaults guarantee: each task's Learn-then-Test certificate, or the tolerance they were chosen
+    within (no guarantee beyond the calibration split)."""
+    if calibration is None or calibration.get("chosen") is None:
+        return "Guarantee: none recorded (no `calibration.json`)."
+    if "risk_level" not in calibration:
+        return (
+            f"Guarantee: none beyond the calibration split, where every task stayed within "
+            f"{calibration['tolerance']:.1%} of the full model's quality."
+        )
+    lines = [
+        f"Certified by Learn then Test: with probability at least {1 - calibration['delta']:.0%} over the "
+        "calibration samples, each task's expected loss against the full model is at most the level below.",
+        "",
+        "| task | loss | level | tested samples | empirical | p-value |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, task in calibration["tasks"].items():
+        certificate = task["certificate"]
+        loss = "answer differs" if certificate["loss"] == "binary" else "relative CIDEr drop"
+        lines.append(
+            f"| {name} | {loss} | {certificate['risk_level']:.1%} | {certificate['tested_samples']} | "
+            f"{certificate['empirical_risk']:.2%} | {certificate['p_value']:.2g} |"
+        )
+    return "\n".join(lines)
+
+
 __all__ = [
     "BENCHMARK_KEYS",
     "CARD_TEMPLATE",
     "NOT_MEASURED",
     "TAGS",
+    "guarantee",
     "measured_table",
     "read_benchmark",
     "render_model_card",

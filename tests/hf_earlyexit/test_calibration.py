@@ -12,7 +12,6 @@ from hf_earlyexit.calibration import (
     calibration_grid,
     fastest_for_every_task,
     fastest_within_tolerance,
-    hoeffding_p_value,
     learn_then_test,
     pareto_frontier,
     save_calibration,
@@ -45,12 +44,7 @@ def test_fastest_within_tolerance_of_the_full_model():
         fastest_within_tolerance(points(), 0.8, 1.5)
 
 
-def test_hoeffding_p_value():
-    assert hoeffding_p_value(0.05, 1000, 0.1) == pytest.approx(6.737947e-03)  # exp(-2 * 1000 * 0.05^2) = e^-5
-    assert hoeffding_p_value(0.2, 1000, 0.1) == 1.0
-
-
-def test_learn_then_test_stops_at_the_first_setting_it_cannot_certify():
+def test_learn_then_test_walks_the_ordering_splits_order_and_stops_at_the_first_failure():
     rng = random.Random(0)
 
     def point(reduction: float, disagreement: float) -> OperatingPoint:
@@ -58,13 +52,20 @@ def test_learn_then_test_stops_at_the_first_setting_it_cannot_certify():
         return OperatingPoint({"exit_threshold": 1 - reduction}, 0.8, reduction, sample_losses=losses)
 
     table = [point(0.1, 0.0), point(0.2, 0.01), point(0.3, 0.03), point(0.4, 0.12), point(0.5, 0.02)]
-    chosen = learn_then_test(table, risk_level=0.06, delta=0.1)
-    assert chosen.expected_time_reduction == 0.3  # 0.4 fails, so 0.5 is never tested (fixed sequence)
-    assert learn_then_test([point(0.1, 0.5)], risk_level=0.06) is None
+    ordering = [OperatingPoint(p.settings, 0.8, p.expected_time_reduction) for p in table]
+    certified = learn_then_test(table, ordering, risk_level=0.06, delta=0.1)
+    assert [p.expected_time_reduction for p, _ in certified] == [0.1, 0.2, 0.3]  # 0.4 fails: 0.5 is never tested
+    assert all(0 <= value <= 0.1 for _, value in certified)
+    # The order is the ordering split's, not the tested samples': there, 0.5 comes before the failing 0.4.
+    ordering[4].expected_time_reduction = 0.35
+    assert [p.expected_time_reduction for p, _ in learn_then_test(table, ordering, 0.06, 0.1)][-1] == 0.5
+    assert learn_then_test([point(0.1, 0.5)], ordering, risk_level=0.06) == []
     with pytest.raises(ValueError, match="per-sample losses"):
-        learn_then_test([OperatingPoint({}, 0.8, 0.1)])
-    with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        learn_then_test([OperatingPoint({}, 0.8, 0.1, sample_losses=[2.0])])
+        learn_then_test([OperatingPoint({}, 0.8, 0.1)], [OperatingPoint({}, 0.8, 0.1)])
+    with pytest.raises(ValueError, match="no point for the setting"):
+        learn_then_test(table, ordering[:2])
+    with pytest.raises(ValueError, match="0 or 1"):
+        learn_then_test([OperatingPoint({}, 0.8, 0.1, sample_losses=[0.5])], [OperatingPoint({}, 0.8, 0.1)])
 
 
 def test_generation_defaults_round_trip_and_make_generate_exit(tmp_path):
@@ -135,6 +136,28 @@ def test_calibrate_returns_the_report_and_writes_the_choice(tmp_path):
     saved = json.loads((tmp_path / "generation_config.json").read_text())
     assert all(saved[name] == value for name, value in report["chosen"].items())
     assert json.loads((tmp_path / "calibration.json").read_text())["chosen"] == report["chosen"]
+
+
+def test_calibrate_with_a_risk_orders_on_a_quarter_and_certifies_on_the_rest(tmp_path):
+    model, processor, _ = task_setup("vqa", samples=8)
+    # Threshold 1.0 never exits (no answer differs); 0.0 exits every token after layer 1.
+    sweep = dict(samples=8, batch_size=2, decoder_thresholds={"confidence": (1.0, 0.0)}, encoder_thresholds=())
+    report = calibrate(model, processor, ["vqa"], **sweep, risk=0.5, delta=0.2, progress=False, write_to=tmp_path)
+    certificate = report["tasks"]["vqa"]["certificate"]
+    assert report["chosen"] == {"exit_policy": "confidence", "exit_threshold": 1.0}
+    assert (certificate["ordering_samples"], certificate["tested_samples"]) == (2, 6)
+    assert certificate["empirical_risk"] == 0 and certificate["p_value"] == pytest.approx(0.5**6)  # no error in 6
+    assert json.loads((tmp_path / "calibration.json").read_text())["tasks"]["vqa"]["certificate"] == certificate
+
+    report = calibrate(model, processor, ["vqa"], **sweep, risk=0.01, delta=0.2, progress=False)  # 6 cannot certify
+    stopped = report["tasks"]["vqa"]["certificate"]["stopped_at"]
+    assert report["chosen"] is None and report["tasks"]["vqa"]["certificate"]["certified_settings"] == 0
+    assert stopped["settings"] == {"exit_policy": "confidence", "exit_threshold": 1.0}
+    assert stopped["samples_needed"] == 161  # 0.99^n <= 0.2
+    with pytest.raises(ValueError, match=r"No setting is certified at risk 1.0% .* \{'vqa': 161\}: nothing written"):
+        save_calibration(model, report, tmp_path)
+    with pytest.raises(ValueError, match="too few samples"):
+        calibrate(model, processor, ["vqa"], **{**sweep, "samples": 2}, risk=0.5, progress=False)
 
 
 def test_nothing_is_written_when_nothing_was_chosen(tmp_path):

@@ -241,6 +241,22 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     assert report["dtype"] == "bfloat16" and report["full"]["seconds"] > 0
 
 
+def test_calibrate_with_a_risk_says_when_nothing_is_certified_and_what_would_be(task_model_dir, capsys):
+    argv = ["calibrate", str(task_model_dir), "--tasks", "vqa", "--samples", "8", "--batch-size", "2", "--quiet"]
+    grid = ["--confidence-thresholds", "1.0", "--similarity-thresholds", "", "--encoder-thresholds", "1.0"]  # no exit
+    assert main([*argv, *grid, "--risk", "0.01", "--delta", "0.2", "--json"]) == 0
+    printed = capsys.readouterr()
+    report = json.loads(printed.out)
+    assert report["chosen"] is None and report["risk_level"] == 0.01 and "tolerance" not in report
+    certificate = report["tasks"]["vqa"]["certificate"]
+    assert certificate["tested_samples"] == 6 and certificate["stopped_at"]["samples_needed"] == 161
+    assert "No setting is certified at risk 1.0%" in printed.err and "{'vqa': 161}" in printed.err
+    assert main([*argv, *grid, "--risk", "0.01", "--delta", "0.2", "--write"]) == 2  # nothing to write: one line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("hf-earlyexit: error: No setting is certified") and err[-1].endswith("nothing written.")
+    assert main([*argv, "--risk", "1.5"]) == 2 and "must lie in (0, 1)" in capsys.readouterr().err
+
+
 def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys):
     argv = ["calibrate", str(task_model_dir), "--tasks", "caption", "--samples", "2", "--exit-mode", "speculative"]
     thresholds = ["--confidence-thresholds", "0.0", "--similarity-thresholds", "", "--draft-tokens", "2,3"]

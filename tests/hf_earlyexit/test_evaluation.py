@@ -11,6 +11,7 @@ from hf_earlyexit.evaluation import (
     caption_images,
     disagreement,
     evaluate_task,
+    relative_drop,
     run_knobs,
     run_task,
     score,
@@ -58,6 +59,19 @@ def test_score_uses_the_tasks_metric_and_disagreement_compares_answers():
     captions = score(get_task("caption"), ["a red circle"], ["a red circle"])
     assert captions["CIDEr"] >= 0 and captions["METEOR"] is None and captions["SPICE"] is None
     assert disagreement(["Yes", "no"], ["yes", "yes"]) == [0.0, 1.0]
+
+
+def test_a_captions_loss_is_the_share_of_the_full_models_cider_it_lost():
+    captions = ["a red circle left of a blue square", "a blue square", "a green circle"]
+    targets = ["a red circle left of a blue square", "a blue square above a red circle", "a green triangle"]
+    per_sample = score(get_task("caption"), captions, targets, per_sample=True)["CIDEr_per_sample"]
+    full = [2.0, 1.0, 0.0]
+    assert relative_drop(per_sample, full) == [
+        min(1.0, max(0.0, (2.0 - per_sample[0]) / 2.0)),
+        min(1.0, max(0.0, 1.0 - per_sample[1])),
+        0.0,  # the full model scored nothing there: nothing to lose
+    ]
+    assert relative_drop([3.0, 0.0], [1.0, 1.0]) == [0.0, 1.0]  # a gain is no loss; the whole score lost is 1
 
 
 def test_task_inputs_refuses_an_empty_split_and_an_unknown_task():

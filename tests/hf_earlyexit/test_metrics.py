@@ -17,6 +17,13 @@ def test_caption_metrics_equal_hand_computed_values():
     # words each way, so P = R = F = 0.75).
     assert scores["ROUGE-L"] == pytest.approx((1.0 + 0.75) / 2)
     assert scores["CIDEr"] > 0 and scores["METEOR"] is None
+    per_sample = metrics.load("coco_caption").compute(
+        predictions=PREDICTIONS, references=REFERENCES, meteor=False, per_sample=True
+    )["CIDEr_per_sample"]
+    assert len(per_sample) == 2 and sum(per_sample) / 2 == pytest.approx(scores["CIDEr"])  # CIDEr is their mean
+    other = metrics.load("coco_caption").compute(predictions=[PREDICTIONS[0], "a purple hexagon"],
+                                                 references=REFERENCES, meteor=False, per_sample=True)  # fmt: skip
+    assert other["CIDEr_per_sample"][0] == pytest.approx(per_sample[0])  # the other outputs do not move a score
     assert scores["SPICE"] is None and "offline" in scores["SPICE_unavailable"]
     perfect = metrics.load("coco_caption").compute(predictions=["a red circle"], references=[["a red circle"]],
                                                    meteor=False)  # fmt: skip

@@ -12,7 +12,7 @@ import hf_earlyexit
 from hf_earlyexit import publishing
 from hf_earlyexit.calibration import write_generation_defaults
 from hf_earlyexit.cli import main
-from hf_earlyexit.model_cards import measured_table, read_benchmark
+from hf_earlyexit.model_cards import guarantee, measured_table, read_benchmark
 from hf_earlyexit.publishing import PublishError, assemble, publish, validate_folder
 from hf_earlyexit.training import small_model_and_processor
 
@@ -36,6 +36,11 @@ RECORD = {
     "quality_ratio": 0.995,
     "wall_clock_time_reduction": 0.3912,
 }
+# What `calibrate --risk 0.02 --write` saves (tests/hf_earlyexit/test_calibration.py checks that shape).
+CERTIFICATE = {"loss": "binary", "risk_level": 0.02, "delta": 0.1, "ordering_samples": 975, "tested_samples": 2924,
+               "certified_settings": 9, "settings": KNOBS, "p_value": 3.1e-6, "empirical_risk": 0.0041}  # fmt: skip
+CALIBRATION = {"split": "validation", "risk_level": 0.02, "delta": 0.1, "chosen": KNOBS,
+               "tasks": {"vqa": {"certificate": CERTIFICATE}}}  # fmt: skip
 CODE_FILES = {
     "configuration_ofa.py",
     "modeling_ofa.py",
@@ -60,6 +65,7 @@ def model_dir(tmp_path_factory):
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     (folder / "benchmark.jsonl").write_text(json.dumps(RECORD) + "\n")
+    (folder / "calibration.json").write_text(json.dumps(CALIBRATION))
     (folder / "training_recipe.json").write_text(json.dumps({"script": "train.py", "options": {"max_steps": 7}}))
     return folder
 
@@ -81,6 +87,7 @@ def test_folder_has_weights_code_processor_and_auto_maps(assembled):
         "tokenizer_config.json",
         "benchmark.jsonl",
         "training_recipe.json",
+        "calibration.json",
     }
     config = json.loads((assembled / "config.json").read_text())
     model_class = "modeling_ofa.EarlyExitOFAForConditionalGeneration"
@@ -116,6 +123,14 @@ def test_card_metadata_parses_and_holds_the_measured_table(assembled):
     assert json.dumps(KNOBS) in card.text  # the calibrated defaults
     assert "`max_steps`: 7" in card.text  # the recipe
     assert "2 encoder and 3 decoder layers, d_model 32" in card.text
+    assert "with probability at least 90% over the calibration samples" in card.text  # the certificate
+    assert "| vqa | answer differs | 2.0% | 2924 | 0.41% | 3.1e-06 |" in card.text
+
+
+def test_a_card_says_when_the_defaults_are_not_certified():
+    assert "none beyond the calibration split" in guarantee({"chosen": KNOBS, "tolerance": 0.01, "tasks": {}})
+    assert "within 1.0% of the full model" in guarantee({"chosen": KNOBS, "tolerance": 0.01, "tasks": {}})
+    assert guarantee(None).startswith("Guarantee: none recorded")
 
 
 def test_validation_loads_without_the_package_and_generates_with_and_without_exits(assembled):

@@ -28,3 +28,15 @@ def test_unknown_task_or_split_raises():
         get_task("ocr")
     with pytest.raises(ValueError, match="Splits are"):
         get_task("vqa").dataset("dev")
+
+
+def test_calibration_splits_are_held_out_and_as_large_as_asked():
+    caption = get_task("caption")
+    calibration = caption.dataset("calibration", size=40)
+    assert len(calibration) == 40 and caption.risk_loss == "bounded"
+    others = {text for split in ("train", "validation", "test") for text in caption.dataset(split, size=40)["target"]}
+    images = {split: caption.dataset(split, size=40)["image"][0].tobytes() for split in ("validation", "calibration")}
+    assert images["validation"] != images["calibration"] and len(set(calibration["target"]) - others) > 0
+    vqa = get_task("vqa")  # easy-VQA has no more images: its calibration split is its validation split
+    assert vqa.dataset("calibration", size=5)["prompt"] == vqa.dataset("validation", size=5)["prompt"]
+    assert vqa.risk_loss == get_task("entailment").risk_loss == "binary"

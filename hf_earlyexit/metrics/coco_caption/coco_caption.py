@@ -52,7 +52,7 @@ class CocoCaption(evaluate.Metric):
             ),
         )
 
-    def _compute(self, predictions, references, meteor: bool = True) -> dict:
+    def _compute(self, predictions, references, meteor: bool = True, per_sample: bool = False) -> dict:
         from pycocoevalcap.bleu.bleu import Bleu
         from pycocoevalcap.cider.cider import Cider
         from pycocoevalcap.rouge.rouge import Rouge
@@ -72,7 +72,10 @@ class CocoCaption(evaluate.Metric):
 
             scores["METEOR"] = float(Meteor().compute_score(gts, res)[0])
         scores["ROUGE-L"] = float(Rouge().compute_score(gts, res)[0])
-        scores["CIDEr"] = float(Cider().compute_score(gts, res)[0])
+        cider, cider_per_sample = Cider().compute_score(gts, res)
+        scores["CIDEr"] = float(cider)
+        if per_sample:  # CIDEr-D's document frequencies come from the references, so a sample's score is its own
+            scores["CIDEr_per_sample"] = [float(value) for value in cider_per_sample]
         scores["SPICE"] = None
         scores["SPICE_unavailable"] = SPICE_UNAVAILABLE
         return scores
