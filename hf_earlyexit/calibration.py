@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .benchmark import measure_part_costs
-from .evaluation import TaskInputs, disagreement, relative_drop, run_task, score, task_inputs
+from .evaluation import TaskInputs, risk_losses, run_task, score, task_inputs
 from .measures import PartCosts, expected_time_reduction
 from .modeling.exit_knobs import ENCODER_PARTS, EXIT_KNOBS
 from .modeling.generation_early_exit import EarlyExitSettings
@@ -162,12 +162,11 @@ def sweep(
         layers = (run.encoder_exit_layers, run.decoder_exit_layers, costs, config.encoder_layers, config.decoder_layers)
         scores = score(task, run.predictions, inputs.targets, per_sample=per_sample)
         sample_scores = scores.get(f"{task.quality_key}_per_sample")
-        if full is None:
-            losses = [0.0] * len(run.predictions)
-        elif per_sample:
-            losses = relative_drop(sample_scores, full.sample_scores)
-        else:
-            losses = disagreement(run.predictions, full.predictions)
+        losses = (
+            [0.0] * len(run.predictions)
+            if full is None
+            else risk_losses(task, run.predictions, sample_scores, full.predictions, full.sample_scores)
+        )
         return OperatingPoint(
             settings=knobs,
             quality=scores[task.quality_key],

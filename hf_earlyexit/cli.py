@@ -88,8 +88,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     model, processor = load_model_and_processor(args.model_dir)
     knobs = run_knobs(model, args.full, **given_knobs(args))
     report = evaluate_task(
-        model, processor, args.task, args.split, args.samples, args.batch_size, knobs, args.meteor, progress=True
-    )
+        model, processor, args.task, args.split, args.samples, args.batch_size, knobs, args.meteor, progress=True,
+        against_full=args.against_full,
+    )  # fmt: skip
     print_report(report, args.json)
 
 
@@ -337,8 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="score a saved model on a task's split (JSON)")
     evaluate.add_argument("model_dir")
     evaluate.add_argument("--task", required=True, choices=task_names)
-    evaluate.add_argument("--split", default="test", choices=["train", "validation", "test"])
+    evaluate.add_argument("--split", default="test", choices=["train", "validation", "test", "calibration"])
     evaluate.add_argument("--meteor", action="store_true", help="also METEOR for captions (Java, about 10 s)")
+    evaluate.add_argument(
+        "--against-full",
+        action="store_true",
+        help="also run the full model: the risk against it (the loss a `calibrate --risk` certificate bounds)",
+    )
     evaluate.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     add_task_arguments(evaluate, samples=1000, batch_size=32)
     add_knob_arguments(evaluate)

@@ -194,13 +194,18 @@ def evaluate_task(
     knobs: dict[str, Any] | None = None,
     meteor: bool = False,
     progress: bool = False,
+    against_full: bool = False,
 ) -> dict[str, Any]:
     """Task `task`'s first `samples` rows of `split` through `generate` with `knobs` (on top of "no exit"): the
     scores, the expected time reduction by FLOPs (batch-aware at `batch_size`, and per row) and the seconds. The
-    JSON object `hf-earlyexit eval` prints; `progress` shows a bar over the batches."""
+    JSON object `hf-earlyexit eval` prints; `progress` shows a bar over the batches. `against_full`: the full model
+    runs on the same rows too, and `risk_against_full` is the mean of the task's `risk_loss` against it, the risk a
+    `calibrate --risk` certificate bounds (checked here on held-out rows)."""
     inputs = task_inputs(task, processor, split, samples, batch_size)
     run = run_task(model, processor, inputs, knobs, f"{task} ({inputs.samples} samples)" if progress else None)
     config, costs = model.config, flop_costs(model, inputs)
+    scores = score(inputs.task, run.predictions, inputs.targets, meteor=meteor, per_sample=against_full)
+    per_sample = scores.pop(f"{inputs.task.quality_key}_per_sample", None)
 
     def reduction(batch: int) -> float:
         return expected_time_reduction(
@@ -213,7 +218,7 @@ def evaluate_task(
         "samples": inputs.samples,
         "batch_size": batch_size,
         "settings": knobs or {},
-        "scores": score(inputs.task, run.predictions, inputs.targets, meteor=meteor),
+        "scores": scores,
         "expected_time_reduction_flops": reduction(batch_size),
         "expected_time_reduction_flops_per_row": reduction(1),
         "seconds": run.seconds,
@@ -221,6 +226,17 @@ def evaluate_task(
     if (knobs or {}).get("exit_mode") == "speculative":  # the verification runs every layer a draft skipped
         report.update(expected_time_reduction_flops=None, expected_time_reduction_flops_per_row=None)
         report.update(drafted_tokens=run.drafted, accepted_tokens=run.accepted, speculative_rounds=run.rounds)
+    if against_full:
+        full = run_task(model, processor, inputs, None, "the full model" if progress else None)
+        full_scores = score(inputs.task, full.predictions, inputs.targets, per_sample=True)
+        losses = risk_losses(
+            inputs.task,
+            run.predictions,
+            per_sample,
+            full.predictions,
+            full_scores.get(f"{inputs.task.quality_key}_per_sample"),
+        )
+        report["risk_against_full"] = {"loss": inputs.task.risk_loss, "mean": sum(losses) / len(losses)}
     return report
 
 
@@ -252,6 +268,20 @@ def caption_images(
         seconds += time.perf_counter() - began
         captions += processor.batch_decode(sequences, skip_special_tokens=True)
     return captions, seconds
+
+
+def risk_losses(
+    task: Task,
+    predictions: list[str],
+    sample_scores: list[float] | None,
+    reference_predictions: list[str],
+    reference_scores: list[float] | None,
+) -> list[float]:
+    """Per sample, the task's `risk_loss` against the reference (the full model's) outputs: 1 where an answer
+    differs ("binary"), or a caption's relative drop of its per-sample score ("bounded")."""
+    if task.risk_loss == "bounded":
+        return relative_drop(sample_scores, reference_scores)
+    return disagreement(predictions, reference_predictions)
 
 
 def relative_drop(scores: list[float], reference_scores: list[float]) -> list[float]:
@@ -312,6 +342,7 @@ __all__ = [
     "disagreement",
     "evaluate_task",
     "relative_drop",
+    "risk_losses",
     "exit_layer_accuracy",
     "flop_costs",
     "normalize_answer",

@@ -175,6 +175,17 @@ def test_eval_prints_the_tasks_scores_and_time_reduction(task_model_dir, capsys)
     assert report["samples"] == 6 and 0 <= report["scores"]["accuracy"] <= 1
     assert report["settings"] == {"exit_policy": "confidence", "exit_threshold": 0.0, "kv_strategy": "copy"}
     assert 0 < report["expected_time_reduction_flops"] < 1  # every token left after decoder layer 1 of 4
+    assert "risk_against_full" not in report
+
+
+def test_eval_against_the_full_model_reports_the_risk_a_certificate_bounds(task_model_dir, capsys):
+    argv = ["eval", str(task_model_dir), "--task", "caption", "--split", "calibration", "--samples", "4", "--json"]
+    assert main([*argv, "--against-full", "--exit-policy", "confidence", "--exit-threshold", "0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    risk = report["risk_against_full"]
+    assert risk["loss"] == "bounded" and 0 <= risk["mean"] <= 1 and "CIDEr_per_sample" not in report["scores"]
+    assert main([*argv, "--against-full", "--full"]) == 0  # the full model against itself loses nothing
+    assert json.loads(capsys.readouterr().out)["risk_against_full"] == {"loss": "bounded", "mean": 0.0}
 
 
 def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_path, capsys):
