@@ -98,12 +98,11 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if args.exit_mode == "speculative":
         calibrate_drafts(args)
         return
-    from .calibration import DECODER_THRESHOLDS, ENCODER_THRESHOLDS, calibrate, not_chosen
+    from .calibration import DECODER_THRESHOLDS, ENCODER_THRESHOLDS, calibrate, not_chosen, risk_levels
     from .plots import tradeoff_plot
-    from .risk_control import check_risk
 
-    if args.risk is not None:  # before the model loads
-        check_risk(args.risk, args.delta)
+    risk = parse_risk(args.risk) if args.risk else None
+    risk_levels(risk, args.tasks.split(","), args.delta)  # checked before the model loads
 
     args.samples, args.batch_size = args.samples or 300, args.batch_size or 64
     check_samples(args)
@@ -123,7 +122,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         plot=(lambda sweeps, chosen: tradeoff_plot(sweeps, args.plot, chosen)) if args.plot else None,
         write_to=args.model_dir if args.write else None,
         progress=not args.quiet,
-        risk=args.risk,
+        risk=risk,
     )  # fmt: skip
     print_report(report, args.json)
     if report["chosen"] is None:
@@ -219,6 +218,18 @@ def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> di
         dtype=args.dtype,
         progress=True,
     )
+
+
+def parse_risk(text: str) -> float | dict[str, float]:
+    """'0.02' (every task) or 'vqa=0.02,caption=0.1' (per task)."""
+    message = "--risk takes one level (0.02) or one per task (vqa=0.02,caption=0.1)"
+    if "=" not in text:
+        levels = parse_list(text, float, message)
+        if len(levels) != 1:
+            raise ValueError(f"{message}, got {text!r}.")
+        return levels[0]
+    pairs = [item.partition("=") for item in text.split(",")]
+    return {name.strip(): parse_list(value, float, message)[0] for name, _, value in pairs}
 
 
 def parse_floats(text: str) -> list[float]:
@@ -359,9 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--tolerance", type=float, default=0.01, help="quality loss allowed (default 0.01 = 1%%)")
     calibrate.add_argument(
         "--risk",
-        type=float,
         help="certify instead (Learn then Test): the fastest setting whose risk against the full model is at most "
-        "this (answers: share that differ; captions: relative CIDEr drop) with probability 1 - delta",
+        "this with probability 1 - delta (answers: share that differ; captions: relative CIDEr drop); one level, "
+        "or per task: vqa=0.02,caption=0.1",
     )
     calibrate.add_argument("--delta", type=float, default=0.1, help="with --risk: the error level (default 0.1)")
     calibrate.add_argument("--encoder-thresholds", help="encoder streams' similarity thresholds, comma-separated")

@@ -138,7 +138,7 @@ def test_calibrate_returns_the_report_and_writes_the_choice(tmp_path):
     assert json.loads((tmp_path / "calibration.json").read_text())["chosen"] == report["chosen"]
 
 
-def test_calibrate_with_a_risk_orders_on_a_quarter_and_certifies_on_the_rest(tmp_path):
+def test_calibrate_with_a_risk_orders_on_a_tenth_and_certifies_on_the_rest(tmp_path):
     model, processor, _ = task_setup("vqa", samples=8)
     # Threshold 1.0 never exits (no answer differs); 0.0 exits every token after layer 1.
     sweep = dict(samples=8, batch_size=2, decoder_thresholds={"confidence": (1.0, 0.0)}, encoder_thresholds=())
@@ -154,7 +154,7 @@ def test_calibrate_with_a_risk_orders_on_a_quarter_and_certifies_on_the_rest(tmp
     assert report["chosen"] is None and report["tasks"]["vqa"]["certificate"]["certified_settings"] == 0
     assert stopped["settings"] == {"exit_policy": "confidence", "exit_threshold": 1.0}
     assert stopped["samples_needed"] == 161  # 0.99^n <= 0.2
-    with pytest.raises(ValueError, match=r"No setting is certified at risk 1.0% .* \{'vqa': 161\}: nothing written"):
+    with pytest.raises(ValueError, match=r"No setting is certified .*vqa 1.0%.* \{'vqa': 161\}: nothing written"):
         save_calibration(model, report, tmp_path)
     with pytest.raises(ValueError, match="too few samples"):
         calibrate(model, processor, ["vqa"], **{**sweep, "samples": 2}, risk=0.5, progress=False)

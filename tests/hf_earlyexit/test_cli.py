@@ -258,14 +258,19 @@ def test_calibrate_with_a_risk_says_when_nothing_is_certified_and_what_would_be(
     assert main([*argv, *grid, "--risk", "0.01", "--delta", "0.2", "--json"]) == 0
     printed = capsys.readouterr()
     report = json.loads(printed.out)
-    assert report["chosen"] is None and report["risk_level"] == 0.01 and "tolerance" not in report
+    assert report["chosen"] is None and report["risk_level"] == {"vqa": 0.01} and "tolerance" not in report
     certificate = report["tasks"]["vqa"]["certificate"]
     assert certificate["tested_samples"] == 6 and certificate["stopped_at"]["samples_needed"] == 161
-    assert "No setting is certified at risk 1.0%" in printed.err and "{'vqa': 161}" in printed.err
+    assert "No setting is certified on every task at its risk level (vqa 1.0%" in printed.err
+    assert "{'vqa': 161}" in printed.err
     assert main([*argv, *grid, "--risk", "0.01", "--delta", "0.2", "--write"]) == 2  # nothing to write: one line
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("hf-earlyexit: error: No setting is certified") and err[-1].endswith("nothing written.")
     assert main([*argv, "--risk", "1.5"]) == 2 and "must lie in (0, 1)" in capsys.readouterr().err
+    assert main([*argv, "--risk", "caption=0.1"]) == 2 and "No risk level for ['vqa']" in capsys.readouterr().err
+    assert main([*argv, "--risk", "0.1,0.2"]) == 2 and "one per task" in capsys.readouterr().err
+    assert main([*argv, *grid, "--risk", "vqa=0.5", "--delta", "0.2", "--json"]) == 0  # a level per task
+    assert json.loads(capsys.readouterr().out)["tasks"]["vqa"]["certificate"]["risk_level"] == 0.5
 
 
 def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys):

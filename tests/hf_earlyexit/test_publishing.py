@@ -39,7 +39,7 @@ RECORD = {
 # What `calibrate --risk 0.02 --write` saves (tests/hf_earlyexit/test_calibration.py checks that shape).
 CERTIFICATE = {"loss": "binary", "risk_level": 0.02, "delta": 0.1, "ordering_samples": 975, "tested_samples": 2924,
                "certified_settings": 9, "settings": KNOBS, "p_value": 3.1e-6, "empirical_risk": 0.0041}  # fmt: skip
-CALIBRATION = {"split": "validation", "risk_level": 0.02, "delta": 0.1, "chosen": KNOBS,
+CALIBRATION = {"split": "validation", "risk_level": {"vqa": 0.02}, "delta": 0.1, "chosen": KNOBS,
                "tasks": {"vqa": {"certificate": CERTIFICATE}}}  # fmt: skip
 CODE_FILES = {
     "configuration_ofa.py",
