@@ -22,6 +22,7 @@ from .measures import PartCosts, expected_time_reduction
 from .modeling.exit_knobs import ENCODER_PARTS, EXIT_KNOBS
 from .modeling.generation_early_exit import EarlyExitSettings
 from .risk_control import LossKind, check_risk, fixed_sequence_test, samples_needed
+from .sharding import from_main_process, is_main_process
 from .tasks import get_task
 
 # The default grid: the decoder's policies with their thresholds, and the encoder streams' similarity thresholds.
@@ -289,9 +290,10 @@ def calibrate(
     report: dict[str, Any] = {"split": split, "batch_size": batch_size, **rule, "points": len(grid), "tasks": {}}
     sweeps: Sweeps = {}
     orderings: dict[str, tuple[list[OperatingPoint], int]] = {}  # with a risk: per task, its ordering and samples
+    progress = progress and is_main_process()
     for name in tasks:
-        inputs = task_inputs(name, processor, split, samples, batch_size)
-        costs = measure_part_costs(model, inputs)
+        inputs = task_inputs(name, processor, split, samples, batch_size, model.device)
+        costs = from_main_process(lambda inputs=inputs: measure_part_costs(model, inputs))
         if levels is not None:
             ordering_inputs, inputs = inputs.split_at(max(1, round(ORDERING_SHARE * inputs.samples)))
             if not inputs.batches:
@@ -309,10 +311,10 @@ def calibrate(
         point = next((p for p in points if p.settings == chosen), None)
         chosen_points.append(point)
         report["tasks"][name]["chosen"] = None if point is None else chosen_report(point, full)
-    if plot is not None:
+    if plot is not None and is_main_process():
         report["plot"] = str(plot(sweeps, chosen))
     report["chosen"] = None if chosen is None else with_encoder_min_exit_layer(chosen, chosen_points)
-    if write_to is not None:
+    if write_to is not None and is_main_process():
         report["written_to"] = str(save_calibration(model, report, write_to))
     return report
 

@@ -83,15 +83,25 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from .evaluation import evaluate_task, run_knobs
+    from .sharding import is_main_process
 
     check_samples(args)
-    model, processor = load_model_and_processor(args.model_dir)
+    model, processor = load_for_this_process(args.model_dir)
     knobs = run_knobs(model, args.full, **given_knobs(args))
     report = evaluate_task(
         model, processor, args.task, args.split, args.samples, args.batch_size, knobs, args.meteor, progress=True,
         against_full=args.against_full,
     )  # fmt: skip
-    print_report(report, args.json)
+    if is_main_process():
+        print_report(report, args.json)
+
+
+def load_for_this_process(model_dir: str) -> tuple[Any, Any]:
+    """`eval` and `calibrate` under `accelerate launch`: one model per process, on the device Accelerate gives it."""
+    from .sharding import process_device
+
+    model, processor = load_model_and_processor(model_dir)
+    return model.to(process_device()), processor
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -100,20 +110,23 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         return
     from .calibration import DECODER_THRESHOLDS, ENCODER_THRESHOLDS, calibrate, not_chosen, risk_levels
     from .plots import tradeoff_plot
+    from .sharding import is_main_process
 
     risk = parse_risk(args.risk) if args.risk else None
     risk_levels(risk, args.tasks.split(","), args.delta)  # checked before the model loads
 
     args.samples, args.batch_size = args.samples or 300, args.batch_size or 64
     check_samples(args)
-    encoder_thresholds = parse_floats(args.encoder_thresholds) if args.encoder_thresholds else ENCODER_THRESHOLDS
+    encoder_thresholds = ENCODER_THRESHOLDS if args.encoder_thresholds is None else ()
+    if args.encoder_thresholds:  # '' sweeps no encoder exit
+        encoder_thresholds = parse_floats(args.encoder_thresholds)
     decoder_thresholds = policy_thresholds(args, DECODER_THRESHOLDS)
     batch_rules = [
         non_default_knobs({"exit_token_layer": layer, "batch_stop_fraction": fraction})
         for layer in parse_list(args.exit_token_layers, str, "--exit-token-layers must be comma-separated names")
         for fraction in parse_floats(args.batch_stop_fractions)
     ]
-    model, processor = load_model_and_processor(args.model_dir)
+    model, processor = load_for_this_process(args.model_dir)
     for rule in batch_rules:  # before the sweep, not at its first setting
         check_knobs(rule, model.config)
     sweep = (args.tasks.split(","), args.split, args.samples, args.batch_size, args.tolerance, args.delta)
@@ -124,14 +137,17 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         progress=not args.quiet,
         risk=risk,
     )  # fmt: skip
-    print_report(report, args.json)
-    if report["chosen"] is None:
-        print(f"{not_chosen(report)}.", file=sys.stderr)
+    if is_main_process():
+        print_report(report, args.json)
+        if report["chosen"] is None:
+            print(f"{not_chosen(report)}.", file=sys.stderr)
 
 
 def calibrate_drafts(args: argparse.Namespace) -> None:
     """`calibrate --exit-mode speculative`: the drafts and draft length with the most tokens per second."""
     from .draft_calibration import DRAFT_THRESHOLDS, calibrate_drafts, drafting_grid
+
+    one_process("calibrate --exit-mode speculative")
 
     unused = [
         flag for flag, value in (("--encoder-thresholds", args.encoder_thresholds), ("--plot", args.plot)) if value
@@ -166,9 +182,19 @@ def policy_thresholds(args: argparse.Namespace, defaults: dict[str, Any]) -> dic
 def cmd_bench(args: argparse.Namespace) -> None:
     from .benchmark import checked_device
 
+    one_process("bench")
+
     device = checked_device(args.device)  # checked before any model is loaded
     report = bench_model(args, device) if args.model_dir else bench_random_weights(args, device)
     print_report(report, args.json)
+
+
+def one_process(command: str) -> None:
+    """Timings run in one process per device: processes sharing a machine would time each other."""
+    from .sharding import process_state
+
+    if process_state().num_processes > 1:
+        raise ValueError(f"{command} times one process per device: run it without `accelerate launch`.")
 
 
 def bench_model(args: argparse.Namespace, device: "torch.device") -> dict[str, Any]:
@@ -375,7 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
         "or per task: vqa=0.02,caption=0.1",
     )
     calibrate.add_argument("--delta", type=float, default=0.1, help="with --risk: the error level (default 0.1)")
-    calibrate.add_argument("--encoder-thresholds", help="encoder streams' similarity thresholds, comma-separated")
+    calibrate.add_argument(
+        "--encoder-thresholds", help="encoder streams' similarity thresholds, comma-separated ('' = none)"
+    )
     calibrate.add_argument(
         "--similarity-thresholds", help="decoder, similarity policy ('' = none; default 0.95,0.98, drafts 0.9,0.95)"
     )

@@ -24,6 +24,7 @@ from .modeling.exit_knobs import (
     non_default_knobs,
     resolve_knobs,
 )
+from .sharding import is_main_process, shared_map
 from .tasks import Task, get_task
 
 
@@ -156,13 +157,21 @@ def run_task(
     progress: str | None = None,
     **generate_kwargs,
 ) -> TaskRun:
-    """`run_batch` for every batch of `inputs`, as one run; `progress`: a progress bar's description (None: none)."""
+    """`run_batch` for every batch of `inputs`, as one run; `progress`: a progress bar's description (None: none).
+    Under `accelerate launch`, the processes share the batches and each gets the whole run (`sharding.shared_map`);
+    `seconds` is then the sum of the processes' `generate` time."""
     from tqdm.auto import tqdm
 
-    batches = tqdm(inputs.batches, desc=progress, disable=progress is None)
-    return TaskRun.concatenate(
-        [run_batch(model, processor, inputs.task, batch, knobs, **generate_kwargs) for batch in batches]
-    )
+    bar = tqdm(total=len(inputs.batches), desc=progress, disable=progress is None or not is_main_process())
+
+    def run(batch: dict[str, torch.Tensor]) -> TaskRun:
+        result = run_batch(model, processor, inputs.task, batch, knobs, **generate_kwargs)
+        bar.update()
+        return result
+
+    runs = shared_map(run, inputs.batches)
+    bar.close()
+    return TaskRun.concatenate(runs)
 
 
 def score(
@@ -201,7 +210,7 @@ def evaluate_task(
     JSON object `hf-earlyexit eval` prints; `progress` shows a bar over the batches. `against_full`: the full model
     runs on the same rows too, and `risk_against_full` is the mean of the task's `risk_loss` against it, the risk a
     `calibrate --risk` certificate bounds (checked here on held-out rows)."""
-    inputs = task_inputs(task, processor, split, samples, batch_size)
+    inputs = task_inputs(task, processor, split, samples, batch_size, model.device)
     run = run_task(model, processor, inputs, knobs, f"{task} ({inputs.samples} samples)" if progress else None)
     config, costs = model.config, flop_costs(model, inputs)
     scores = score(inputs.task, run.predictions, inputs.targets, meteor=meteor, per_sample=against_full)
