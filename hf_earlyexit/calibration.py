@@ -281,7 +281,9 @@ def calibrate(
     plot: draws the sweeps with the chosen setting and returns the file, e.g.
         `lambda sweeps, chosen: plots.tradeoff_plot(sweeps, path, chosen)` (a callable: `plots` imports this module).
     write_to: the model's folder, where the choice is saved as its generation defaults and the report as
-        calibration.json; ValueError, and nothing written, when no setting is within `tolerance` on every task.
+        calibration.json; ValueError, and nothing written, when nothing was chosen.
+    Under `accelerate launch` the processes share each sweep's batches (`sharding`); the main process alone times
+    the part costs, draws and writes.
     """
     levels = risk_levels(risk, tasks, delta)
     grid = calibration_grid(model.config, decoder_thresholds, encoder_thresholds, batch_rules)
@@ -305,7 +307,9 @@ def calibrate(
     if levels is None:
         chosen = fastest_for_every_task(sweeps, tolerance)
     else:
-        chosen = certified_for_every_task(sweeps, orderings, levels, delta, report["tasks"])
+        chosen, certificates = certified_for_every_task(sweeps, orderings, levels, delta)
+        for name, certificate in certificates.items():
+            report["tasks"][name]["certificate"] = certificate
     chosen_points = []
     for name, (full, points) in sweeps.items():
         point = next((p for p in points if p.settings == chosen), None)
@@ -324,22 +328,22 @@ def certified_for_every_task(
     orderings: dict[str, tuple[list[OperatingPoint], int]],
     levels: dict[str, float],
     delta: float,
-    task_reports: dict[str, dict[str, Any]],
-) -> dict[str, Any] | None:
-    """The fastest setting Learn then Test certifies on every task at its level (None if none is); each task's
-    certificate goes into its report (`certificate_report`)."""
+) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]]]:
+    """The fastest setting Learn then Test certifies on every task at its level (None if none is), and each task's
+    `certificate_report`."""
     certified = {}
     for name, (_, points) in sweeps.items():
         ordering, _ = orderings[name]
         certified[name] = learn_then_test(points, ordering, levels[name], delta, get_task(name).risk_loss)
     chosen = fastest_on_every_task({name: [point for point, _ in pairs] for name, pairs in certified.items()})
+    certificates = {}
     for name, pairs in certified.items():
         ordering, ordering_samples = orderings[name]
         ordered = test_order(sweeps[name][1], ordering)
-        task_reports[name]["certificate"] = certificate_report(
+        certificates[name] = certificate_report(
             get_task(name).risk_loss, ordered, pairs, chosen, levels[name], delta, ordering_samples
         )
-    return chosen
+    return chosen, certificates
 
 
 def risk_levels(

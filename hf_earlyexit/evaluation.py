@@ -24,7 +24,7 @@ from .modeling.exit_knobs import (
     non_default_knobs,
     resolve_knobs,
 )
-from .sharding import is_main_process, shared_map
+from .sharding import shared_map
 from .tasks import Task, get_task
 
 
@@ -160,18 +160,11 @@ def run_task(
     """`run_batch` for every batch of `inputs`, as one run; `progress`: a progress bar's description (None: none).
     Under `accelerate launch`, the processes share the batches and each gets the whole run (`sharding.shared_map`);
     `seconds` is then the sum of the processes' `generate` time."""
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(inputs.batches), desc=progress, disable=progress is None or not is_main_process())
 
     def run(batch: dict[str, torch.Tensor]) -> TaskRun:
-        result = run_batch(model, processor, inputs.task, batch, knobs, **generate_kwargs)
-        bar.update()
-        return result
+        return run_batch(model, processor, inputs.task, batch, knobs, **generate_kwargs)
 
-    runs = shared_map(run, inputs.batches)
-    bar.close()
-    return TaskRun.concatenate(runs)
+    return TaskRun.concatenate(shared_map(run, inputs.batches, progress))
 
 
 def score(

@@ -30,12 +30,15 @@ def process_device():
     return process_state().device
 
 
-def shared_map(function: Callable[[T], object], items: Sequence[T]) -> list:
+def shared_map(function: Callable[[T], object], items: Sequence[T], progress: str | None = None) -> list:
     """`[function(item) for item in items]`, each process mapping a contiguous share; every process gets the whole
-    list, in order."""
+    list, in order. `progress`: the description of a bar over the main process's share (None: no bar)."""
+    from tqdm.auto import tqdm
+
     state = process_state()
     with state.split_between_processes(list(range(len(items)))) as mine:
-        results = [function(items[index]) for index in mine]
+        shown = tqdm(mine, desc=progress, disable=progress is None or not state.is_main_process)
+        results = [function(items[index]) for index in shown]
     return gather_object(results) if state.num_processes > 1 else results
 
 
