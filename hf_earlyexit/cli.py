@@ -117,9 +117,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
     args.samples, args.batch_size = args.samples or 300, args.batch_size or 64
     check_samples(args)
-    encoder_thresholds = ENCODER_THRESHOLDS if args.encoder_thresholds is None else ()
-    if args.encoder_thresholds:  # '' sweeps no encoder exit
-        encoder_thresholds = parse_floats(args.encoder_thresholds)
+    given = args.encoder_thresholds
+    encoder_thresholds = ENCODER_THRESHOLDS if given is None else parse_floats(given) if given else ()  # '': none
     decoder_thresholds = policy_thresholds(args, DECODER_THRESHOLDS)
     batch_rules = [
         non_default_knobs({"exit_token_layer": layer, "batch_stop_fraction": fraction})

@@ -15,9 +15,9 @@ T = TypeVar("T")
 
 
 def process_state() -> PartialState:
-    """Accelerate's state of this process; without an accelerator its processes run on the CPU (gloo), which
-    Accelerate only sets up when asked."""
-    return PartialState(cpu=not torch.accelerator.is_available())
+    """Accelerate's state of this process; without a GPU its processes run on the CPU (gloo), which Accelerate only
+    sets up when asked."""
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 def is_main_process() -> bool:
@@ -25,7 +25,7 @@ def is_main_process() -> bool:
     return process_state().is_main_process
 
 
-def process_device():
+def process_device() -> torch.device:
     """The device Accelerate gives this process (the CPU without GPUs)."""
     return process_state().device
 
