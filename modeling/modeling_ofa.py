@@ -435,7 +435,8 @@ class OFADecoderLayer(OFAEncoderLayer):
         x = self.self_attn_layer_norm(hidden_states)
         key, value = self.self_attn.project_kv(x)
         key_rows = None
-        if isinstance(self_cache := getattr(past_key_values, "self_attention_cache", None), EarlyExitCache):
+        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+        if isinstance(self_cache, EarlyExitCache):
             index = None if rows is None else rows.index
             key, value = self_cache.write(self.layer_idx, key, value, index, slots)
             key_rows = rows
