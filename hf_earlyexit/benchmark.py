@@ -493,7 +493,7 @@ def task_benchmark(
             "same_outputs_as_full": runs["full_compiled"].predictions == runs["full"].predictions,
             "speedup_over_full": round(seconds["full"] / seconds["full_compiled"], 3),
         }
-        for name in [name for name in ("early_exit", "speculative") if name in settings]:
+        for name in report.keys() & {"early_exit", "speculative"}:
             report[name]["speedup_over_compiled_full"] = round(seconds["full_compiled"] / seconds[name], 3)
     return report
 
