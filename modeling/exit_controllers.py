@@ -324,7 +324,12 @@ def checked_decision(decision: torch.Tensor, state: ExitState, controller: ExitC
     return decision if decision.dtype == torch.bool else decision.to(torch.bool)
 
 
-POLICIES = {"similarity": SimilarityExit, "confidence": ConfidenceExit}  # and "patience", whose threshold is a count
+# Policy -> its controller and options; "patience" is built apart, since its threshold is a layer count.
+POLICIES = {
+    "similarity": (SimilarityExit, {}),
+    "confidence": (ConfidenceExit, {}),
+    "margin": (ConfidenceExit, {"measure": "margin"}),  # CALM's top-2 softmax margin
+}
 
 
 def make_controller(
@@ -340,7 +345,8 @@ def make_controller(
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not float(threshold).is_integer():
             raise ValueError(f"`exit_threshold` of the patience policy is a layer count, got {threshold!r}.")
         return PatienceExit(int(threshold), **options)
-    return POLICIES[policy](threshold, schedule, **options)
+    controller, defaults = POLICIES[policy]
+    return controller(threshold, schedule, **{**defaults, **options})
 
 
 class FixedLayerExit(ExitController):

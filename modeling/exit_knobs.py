@@ -10,7 +10,7 @@ A leaf: it imports nothing of the model, so the config and the exit controllers 
 
 from typing import Any, Literal, get_args
 
-ExitPolicy = Literal["similarity", "confidence", "patience"]
+ExitPolicy = Literal["similarity", "confidence", "margin", "patience"]
 ThresholdScheduleName = Literal["constant", "mue_decay", "mue_official", "calm_decay"]
 KVStrategy = Literal["propagate", "copy", "recompute"]
 ExitPart = Literal["decoder", "encoder", "encoder_image", "encoder_text"]

@@ -475,6 +475,8 @@ def test_a_step_that_stops_at_one_exit_reuses_the_exit_heads_logits(model):
     confident = generate(model, inputs, "greedy", exit_policy="confidence", exit_threshold=0.0, min_exit_layer=2)
     fixed = generate(model, inputs, "greedy", exit_controller=FixedLayerExit(2))
     assert torch.equal(confident.sequences, fixed.sequences)
+    margin = generate(model, inputs, "greedy", exit_policy="margin", exit_threshold=0.0, min_exit_layer=2)
+    assert torch.equal(margin.sequences, fixed.sequences)
     for reused, projected in zip(confident.scores, fixed.scores, strict=True):
         torch.testing.assert_close(reused, projected, rtol=0, atol=1e-6)
 

@@ -77,6 +77,17 @@ def test_confidence_measures(measure, expected):
     assert scores.tolist() == pytest.approx(expected, abs=1e-6)
 
 
+def test_margin_policy_stops_on_the_top_two_margin():
+    """CALM's margin is a policy of its own, so calibration and saved defaults can name it."""
+    probabilities = torch.tensor([[0.7, 0.2, 0.05, 0.05], [0.45, 0.4, 0.1, 0.05]])  # margins 0.5 and 0.05
+    decision = make_controller("margin", 0.3)(state(torch.zeros(2, 1, 4), logits=probabilities.log()))
+    assert decision.tolist() == [True, False]
+    assert make_controller("confidence", 0.3)(state(torch.zeros(2, 1, 4), logits=probabilities.log())).tolist() == [
+        True,
+        True,
+    ]
+
+
 def test_threshold_one_never_exits():
     one_hot = torch.tensor([[0.0, 100.0]])
     assert not ConfidenceExit(1.0)(state(torch.zeros(1, 1, 2), logits=one_hot)).any()
