@@ -28,19 +28,16 @@ import argparse
 import json
 from pathlib import Path
 
-import datasets
 import torch
 from torch import nn
 
 from hf_earlyexit import EarlyExitOFAForConditionalGeneration, EarlyExitTrainingArguments, OFAProcessor
-from hf_earlyexit.tasks import TASKS, easy_vqa_caption_rows
+from hf_earlyexit.tasks import MIXTURE, easy_vqa_caption_rows, training_mixture
 from hf_earlyexit.training import small_model_and_processor, train_exits
 
 PACKAGE_MODEL = Path(__file__).resolve().parents[1] / "hf_earlyexit" / "embedded_model"
-# Sampling weights of the training mixture (captions are longest and hardest, so they get the most steps).
-# Entailment is weighted far above its size (5,248 rows), yet it ends this phase at 50-70%; the later phases
-# (weights 0.6, then 0.7) take it to 96% on validation.
-MIXTURE = {"vqa": 0.25, "entailment": 0.3, "caption": 0.35, "easy_vqa_caption": 0.1}
+# The first phase trains on `MIXTURE`. Entailment is weighted far above its size (5,248 rows), yet it ends that phase
+# at 50-70%; the later phases (weights 0.6, then 0.7) take it to 96% on validation.
 LABELS = ("colour", "shape")  # what the image stream's pre-training predicts: words 1 and 2 of easy-VQA's captions
 
 
@@ -165,15 +162,7 @@ def main() -> None:
         if set(mixture_weights) != set(MIXTURE):
             raise SystemExit(f"--mixture needs weights for {sorted(MIXTURE)}, got {sorted(mixture_weights)}.")
 
-    parts = {name: task.dataset("train") for name, task in TASKS.items()}
-    parts["easy_vqa_caption"] = easy_vqa_caption_rows("train")
-    parts = {name: part.cast_column("image", datasets.Image()) for name, part in parts.items()}
-    mixture = datasets.interleave_datasets(
-        [parts[name] for name in mixture_weights],
-        probabilities=list(mixture_weights.values()),
-        seed=options.seed,
-        stopping_strategy="all_exhausted",
-    )
+    mixture, parts = training_mixture(mixture_weights, options.seed)
     image_pretraining = None
     if options.init_from:
         model = EarlyExitOFAForConditionalGeneration.from_pretrained(options.init_from)

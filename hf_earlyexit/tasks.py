@@ -87,4 +87,33 @@ def easy_vqa_caption_rows(split: str) -> datasets.Dataset:
     return captions.map(lambda _: {"prompt": CAPTION_PROMPT, "task": "caption"})
 
 
-__all__ = ["SPLITS", "TASKS", "Task", "easy_vqa_caption_rows", "easy_vqa_split", "get_task"]
+# Sampling weights of the embedded model's first training phase: the tasks plus easy-VQA's captions, which ground
+# the VQA answers in the image (captions are longest and hardest, so they get the most steps).
+MIXTURE = {"vqa": 0.25, "entailment": 0.3, "caption": 0.35, "easy_vqa_caption": 0.1}
+
+
+def training_mixture(weights: dict[str, float], seed: int = 0) -> tuple[datasets.Dataset, dict[str, datasets.Dataset]]:
+    """The train splits of `weights`' parts (task names and "easy_vqa_caption") interleaved with those sampling
+    weights until each part was seen once, and the parts. ValueError on an unknown part."""
+    unknown = sorted(set(weights) - set(MIXTURE))
+    if unknown:
+        raise ValueError(f"Unknown mixture part(s) {unknown}; the parts are {sorted(MIXTURE)}.")
+    train = {name: TASKS[name].dataset("train") for name in weights if name in TASKS}
+    parts = {name: train[name] if name in train else easy_vqa_caption_rows("train") for name in weights}
+    parts = {name: part.cast_column("image", datasets.Image()) for name, part in parts.items()}
+    mixture = datasets.interleave_datasets(
+        list(parts.values()), probabilities=list(weights.values()), seed=seed, stopping_strategy="all_exhausted"
+    )
+    return mixture, parts
+
+
+__all__ = [
+    "MIXTURE",
+    "SPLITS",
+    "TASKS",
+    "Task",
+    "easy_vqa_caption_rows",
+    "easy_vqa_split",
+    "get_task",
+    "training_mixture",
+]
