@@ -146,6 +146,9 @@ class ImageTextCollator:
     image_column: a PIL image or a path per row.
     text_column: the prompt per row (a question); None uses `prompt` for every row (captioning).
     target_column: the answer or caption per row; a list of strings takes the first.
+    labels: False gives the target as `decoder_input_ids` and `decoder_attention_mask` (from the start token on)
+        instead of `labels`, for the losses that learn from the last layer's distribution alone (BLIPEE without
+        labels).
     """
 
     processor: Any
@@ -154,6 +157,7 @@ class ImageTextCollator:
     target_column: str = "answer"
     prompt: str = CAPTION_PROMPT
     max_target_length: int = 32
+    labels: bool = True
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         images = [row[self.image_column] for row in rows]
@@ -171,6 +175,10 @@ class ImageTextCollator:
             padding_side="right",
             return_tensors="pt",
         )
+        if not self.labels:  # the decoder reads <s> and the target; an input is real where a next token is
+            batch["decoder_input_ids"] = tokens["input_ids"][:, :-1]
+            batch["decoder_attention_mask"] = tokens["attention_mask"][:, 1:]
+            return dict(batch)
         labels = tokens["input_ids"][:, 1:]  # drop <s>: the decoder starts from it
         batch["labels"] = labels.masked_fill(tokens["attention_mask"][:, 1:] == 0, -100)
         return dict(batch)

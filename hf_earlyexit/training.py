@@ -52,14 +52,16 @@ def train_exits(
     text_column: str | None = "question",
     target_column: str = "answer",
     prompt: str = CAPTION_PROMPT,
+    labels: bool = True,
     **trainer_kwargs,
 ) -> EarlyExitTrainer:
-    """Train `model`'s exits with `args.exit_loss` on `train_dataset` (columns by name) and return the trainer."""
+    """Train `model`'s exits with `args.exit_loss` on `train_dataset` (columns by name) and return the trainer.
+    `labels=False` trains without them (the label-free losses: "distill", "adversarial")."""
     missing = [c for c in (image_column, text_column, target_column) if c and c not in train_dataset.column_names]
     if missing:
         raise ValueError(f"The data set has no column(s) {missing}; its columns are {train_dataset.column_names}.")
     args.remove_unused_columns = False  # the collator reads the raw image and text columns
-    collator = ImageTextCollator(processor, image_column, text_column, target_column, prompt)
+    collator = ImageTextCollator(processor, image_column, text_column, target_column, prompt, labels=labels)
     trainer = EarlyExitTrainer(
         model=model,
         args=args,

@@ -91,6 +91,18 @@ def test_collator_makes_labels_from_the_target_with_end_of_sequence(processor):
     assert processor.batch_decode(batch["input_ids"], skip_special_tokens=True)[0] == " what color is the image?"
 
 
+def test_collator_without_labels_feeds_the_target_to_the_decoder(processor):
+    rows = [shapes_dataset()[i] for i in range(2)]
+    with_labels = ImageTextCollator(processor)(rows)
+    batch = ImageTextCollator(processor, labels=False)(rows)
+    assert "labels" not in batch
+    assert batch["decoder_input_ids"][:, 0].tolist() == [0, 0]  # the decoder's start token
+    real = batch["decoder_attention_mask"].bool()
+    # Each real input but the first is the label before it: the same targets, teacher-forced.
+    assert batch["decoder_input_ids"][:, 1:][real[:, 1:]].tolist() == with_labels["labels"][:, :-1][real[:, 1:]].tolist()
+    assert real.sum(1).tolist() == with_labels["labels"].ne(-100).sum(1).tolist()
+
+
 def test_collator_uses_the_fixed_prompt_without_a_text_column(processor):
     collator = ImageTextCollator(
         processor, text_column=None, target_column="answer", prompt=" what does the image describe?"
