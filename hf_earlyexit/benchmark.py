@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from .evaluation import TaskInputs, TaskRun, flop_costs, run_batch, run_knobs, score, task_inputs
-from .measures import PartCosts, expected_time_reduction
+from .measures import PartCosts, expected_time_reduction, parameter_speedup
 from .modeling.configuration_ofa import OFAEarlyExitConfig
 from .modeling.exit_controllers import FixedLayerExit
 from .modeling.exit_knobs import KV_STRATEGIES, NO_EXIT, ROW_EXIT_PLANS, SPECULATIVE_KNOBS
@@ -404,12 +404,14 @@ def task_benchmark(
     speculative: dict | None = None,
     progress: str | None = None,
     compiled_full: bool = False,
+    round_shares: bool = True,
 ) -> dict:
     """Full model vs `knobs` on the same inputs (`paired_seconds`): quality, expected time reduction, wall clock,
     tokens per second, per-part times; with `speculative` (knobs with `exit_mode="speculative"`), that mode too,
     timed in the same rounds (`speculative_report`); with `compiled_full`, the full model compiled
     (`compiled_full_decoding`) too, and each mode's speedup over it. `progress`: the description of a progress bar
-    over the batches (None: none). Returns the JSON object `hf-earlyexit bench --json` prints."""
+    over the batches (None: none). `round_shares`: profile where a speculative round's time goes (a run more).
+    Returns the JSON object `hf-earlyexit bench --json` prints."""
     config, settings = model.config, {"full": {}, "early_exit": knobs}
     decoding = {"full_compiled": compiled_full_decoding()} if compiled_full else {}  # beyond the knobs, per run
     if speculative is not None:
@@ -462,6 +464,7 @@ def task_benchmark(
     early["expected_time_reduction"] = round(reduction(runs["early_exit"], costs), 4)
     early["expected_time_reduction_flops"] = round(reduction(runs["early_exit"], flops), 4)
     early["expected_time_reduction_per_row"] = round(reduction(runs["early_exit"], costs, 1), 4)
+    early["parameter_speedup"] = round(parameter_speedup(model, runs["early_exit"].decoder_exit_layers), 4)
     early["settings"] = knobs
     report = {
         "task": inputs.task.name,
@@ -485,7 +488,8 @@ def task_benchmark(
     }
     if speculative is not None:
         report["speculative"] = {**side("speculative"), **speculative_report(runs, seconds)}
-        report["speculative"]["round_time_shares"] = round_time_shares(model, processor, inputs, speculative)
+        if round_shares:
+            report["speculative"]["round_time_shares"] = round_time_shares(model, processor, inputs, speculative)
         report["speculative"]["settings"] = speculative
     if compiled_full:
         report["full_compiled"] = {

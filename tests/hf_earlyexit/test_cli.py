@@ -222,6 +222,7 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     for side in ("full", "early_exit"):
         assert {"quality", "seconds"} <= set(report[side]) and report[side]["seconds"] > 0
     assert 0 <= report["early_exit"]["expected_time_reduction"] < 1
+    assert report["early_exit"]["parameter_speedup"] >= 1  # BLIPEE's measure: never more than the full model's
     ratio = report["early_exit"]["seconds"] / report["full"]["seconds"]
     assert report["wall_clock_time_reduction"] == pytest.approx(1 - ratio, abs=1e-4)
     assert set(report["per_part_seconds"]) >= {"decoder_layer_per_token", "encoder_image_layer_per_sample"}
