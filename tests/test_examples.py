@@ -1,5 +1,6 @@
 """The training scripts in examples/ run end to end (one step, on a tiny saved data set)."""
 
+import json
 import runpy
 import sys
 from pathlib import Path
@@ -48,3 +49,50 @@ def test_embedded_model_recipe_teaches_the_image_stream_colour_before_the_tasks(
     assert set(trained) == {"colour", "shape"}
     assert trained["colour"] > max(0.6, untrained["colour"] + 0.3)  # 8 colours: chance is 1/8
     assert model.training
+
+
+def test_method_comparison_trains_every_method_from_one_start_and_reports_every_row(tmp_path, capsys):
+    script = runpy.run_path(str(EXAMPLES / "compare_methods.py"))
+    output = tmp_path / "methods"
+    budget = ["--backbone-steps", "1", "--method-steps", "1", "--samples", "2", "--test-samples", "2"]
+    argv = ["--quick", "--output-dir", str(output), "--tasks", "vqa", "--seeds", "0", "--batch-size", "2", *budget]
+    report = script["main"]([*argv, "--timing-samples", "1"])
+
+    recipes = json.loads((output / "recipes.json").read_text())["runs"]
+    assert [recipe["run"] for recipe in recipes] == ["backbone", *script["METHODS"], *script["ABLATION_METHODS"]]
+    backbone = output / "runs" / "backbone"
+    assert "fresh decoder" in recipes[0]["started_from"]
+    assert all(recipe["started_from"] == str(backbone) and recipe["steps"] == 1 for recipe in recipes[1:])
+    config = {name: AutoModel.from_pretrained(output / "runs" / f"{name}-seed0", trust_remote_code=True).config
+              for name in ("deed", "blipee", "mue_joint")}  # fmt: skip
+    assert config["deed"].exit_adapter_dim == 64 and config["blipee"].exit_transformer_layers == [1, 2, 3, 4, 5]
+    assert config["mue_joint"].decompose_encoder_modalities is False
+
+    assert list(report["results"]) == list(script["ROWS"])
+    for name, (result,) in report["results"].items():  # one seed
+        assert set(result["validation_frontier"]) == {"vqa"}, name
+        if result["chosen"] is not None:  # timed at batch 1 (the first seed) and 16, with its own full model
+            assert set(result["test"]) == {"vqa@1", "vqa@16"}
+            assert result["test"]["vqa@16"]["early_exit"]["settings"] == result["chosen"]
+    assert set(report["ablations"]) == set(script["ABLATIONS"])
+    assert set(report["encoder_streams"]["decomposed (MuE)"]) == {
+        "vqa / encoder_image / 0.9",
+        "vqa / encoder_text / 0.9",
+    }
+    assert set(report["encoder_streams"]["joint"]) == {"vqa / encoder / 0.9"}
+    tables = (output / "tables.md").read_text()
+    assert all(f"| {name} |" in tables for name in script["ROWS"]) and "Ablation: BLIPEE components" in tables
+    assert (output / "tradeoff_vqa.png").stat().st_size > 0
+
+    # A run already trained is reused, not trained again.
+    written = (backbone / "model.safetensors").stat().st_mtime_ns
+    options = script["parse_options"](argv)
+    assert script["train_run"](options, "backbone", None, 1, 0, script["Method"]({})) == backbone
+    assert (backbone / "model.safetensors").stat().st_mtime_ns == written
+
+
+def test_method_comparison_names_a_bad_task(capsys):
+    script = runpy.run_path(str(EXAMPLES / "compare_methods.py"))
+    with pytest.raises(SystemExit):
+        script["parse_options"](["--tasks", "vqa,poetry"])
+    assert "unknown task(s) ['poetry']" in capsys.readouterr().err
