@@ -99,7 +99,8 @@ def test_collator_without_labels_feeds_the_target_to_the_decoder(processor):
     assert batch["decoder_input_ids"][:, 0].tolist() == [0, 0]  # the decoder's start token
     real = batch["decoder_attention_mask"].bool()
     # Each real input but the first is the label before it: the same targets, teacher-forced.
-    assert batch["decoder_input_ids"][:, 1:][real[:, 1:]].tolist() == with_labels["labels"][:, :-1][real[:, 1:]].tolist()
+    inputs, labels = batch["decoder_input_ids"][:, 1:], with_labels["labels"][:, :-1]
+    assert inputs[real[:, 1:]].tolist() == labels[real[:, 1:]].tolist()
     assert real.sum(1).tolist() == with_labels["labels"].ne(-100).sum(1).tolist()
 
 
