@@ -143,6 +143,14 @@ THRESHOLDS = {
         "margin": (0.2, 0.4, 0.6, 0.8, 0.9),
     },
 }
+BUDGET_HELP = {
+    "backbone_steps": "training steps of the shared start",
+    "method_steps": "training steps of each method's run",
+    "samples": "validation samples per task that calibrate",
+    "test_samples": "test samples per task at batch 16",
+    "timing_samples": "test samples per task at batch 1",
+    "repeats": "timed rounds of each test",
+}
 # The quality loss a calibration allows: 60 validation samples cannot resolve 1% (one answer is 1.7%).
 TOLERANCES = {"quick": 0.02, "full": 0.01}
 ENCODER_THRESHOLDS = {"quick": (0.9,), "full": (0.9, 0.93, 0.95, 0.98)}
@@ -162,7 +170,7 @@ def training_arguments(options, output_dir: Path, steps: int, seed: int, **field
         logging_steps=max(1, steps // 10),
         save_strategy="no",
         report_to="none",
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=DEVICE == "cpu",
         seed=seed,
         encoder_exit_sampling=0.5,
         disable_tqdm=True,
@@ -440,24 +448,21 @@ def tradeoff_plots(results: dict[str, list[dict]], tasks: list[str], output_dir:
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output-dir", type=Path, default=Path("out/methods"))
+    parser.add_argument("--output-dir", type=Path, default=Path("out/methods"), help="where the results go")
     parser.add_argument("--runs-dir", type=Path, help="where the trained models go (default: OUTPUT_DIR/runs)")
     parser.add_argument("--quick", action="store_true", help="the reduced budget for a CPU (< 30 min on 2 cores)")
     parser.add_argument("--seeds", default="0,1,2", help="seeds of the main table's runs")
-    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated (default: all three)")
     parser.add_argument("--tolerance", type=float, help="quality loss each calibration allows (quick 0.02, full 0.01)")
     parser.add_argument("--batch-size", type=int, default=32, help="training batch size")
     parser.add_argument("--learning-rate", type=float, default=5e-4)
     parser.add_argument("--embedded-model", type=Path, default=EMBEDDED_MODEL, help="where the shared start comes from")
-    parser.add_argument("--no-ablations", dest="ablations", action="store_false")
+    parser.add_argument("--no-ablations", dest="ablations", action="store_false", help="the main table only")
     parser.add_argument("--timed-seeds", type=int, help="per row, seeds timed at batch 1 (default: quick 1, else all)")
     budget = parser.add_argument_group("budget (default: the --quick or the full budget)")
-    for name in BUDGETS["quick"]:
-        budget.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=int,
-            help=f"quick {BUDGETS['quick'][name]}, full {BUDGETS['full'][name]}",
-        )
+    for name, text in BUDGET_HELP.items():
+        quick, full = BUDGETS["quick"][name], BUDGETS["full"][name]
+        budget.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"{text} (quick {quick}, full {full})")
     options = parser.parse_args(argv)
     options.budget = "quick" if options.quick else "full"
     options.runs_dir = options.runs_dir or options.output_dir / "runs"
