@@ -40,7 +40,7 @@ import transformers
 
 from hf_earlyexit import EarlyExitOFAForConditionalGeneration, EarlyExitTrainingArguments, OFAProcessor
 from hf_earlyexit.benchmark import task_benchmark
-from hf_earlyexit.calibration import OperatingPoint, calibration_grid, fastest_for_every_task, pareto_frontier, sweep
+from hf_earlyexit.calibration import calibration_grid, chosen_report, fastest_for_every_task, pareto_frontier, sweep
 from hf_earlyexit.evaluation import TaskInputs, flop_costs, run_task, score, task_inputs
 from hf_earlyexit.modeling.exit_knobs import SPECULATIVE_KNOBS
 from hf_earlyexit.plots import pyplot, save
@@ -241,15 +241,6 @@ def split_inputs(processor_dir: Path, task: str, split: str, samples: int, batch
     return task_inputs(task, OFAProcessor.from_pretrained(processor_dir), split, samples, batch_size, DEVICE)
 
 
-def point_summary(point: OperatingPoint, full: OperatingPoint) -> dict[str, Any]:
-    return {
-        "settings": point.settings,
-        "quality_ratio": round(point.quality / full.quality, 4) if full.quality else None,
-        "expected_time_reduction": round(point.expected_time_reduction, 4),
-        "per_row_time_reduction": round(point.per_row_time_reduction, 4),
-    }
-
-
 def calibrated_row(options, row: Row, model, processor) -> dict[str, Any]:
     """Sweep `row`'s grid on each task's validation rows; the frontier per task and the setting chosen for all. The
     expected time reductions that choose weigh the parts by their FLOPs: the same on every machine and run, where
@@ -261,7 +252,7 @@ def calibrated_row(options, row: Row, model, processor) -> dict[str, Any]:
         sweeps[task] = sweep(model, processor, inputs, grid, flop_costs(model, inputs), progress=False)
     chosen = fastest_for_every_task(sweeps, options.tolerance)
     frontier = {
-        task: [point_summary(point, full) for point in pareto_frontier(points)]
+        task: [{"settings": point.settings, **chosen_report(point, full)} for point in pareto_frontier(points)]
         for task, (full, points) in sweeps.items()
     }
     return {"grid_points": len(grid), "chosen": chosen, "validation_frontier": frontier}
@@ -271,8 +262,10 @@ def speculative_knobs(chosen: dict[str, Any]) -> dict[str, Any] | None:
     """The speculative mode drafting with the chosen decoder exit (None without one): its output is the full model's."""
     if "exit_threshold" not in chosen:
         return None
-    decoder = {name: value for name, value in chosen.items() if name not in SPECULATIVE_KNOBS}
-    return {**{k: v for k, v in decoder.items() if not k.startswith("encoder")}, "exit_mode": "speculative"}
+    return {
+        **{name: value for name, value in chosen.items() if name not in SPECULATIVE_KNOBS},
+        "exit_mode": "speculative",
+    }
 
 
 def tested_row(options, chosen: dict[str, Any], model, processor, timed: bool) -> dict[str, dict]:
