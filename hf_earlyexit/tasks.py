@@ -98,9 +98,12 @@ def training_mixture(weights: dict[str, float], seed: int = 0) -> tuple[datasets
     unknown = sorted(set(weights) - set(MIXTURE))
     if unknown:
         raise ValueError(f"Unknown mixture part(s) {unknown}; the parts are {sorted(MIXTURE)}.")
-    train = {name: TASKS[name].dataset("train") for name in weights if name in TASKS}
-    parts = {name: train[name] if name in train else easy_vqa_caption_rows("train") for name in weights}
-    parts = {name: part.cast_column("image", datasets.Image()) for name, part in parts.items()}
+
+    def train_split(name: str) -> datasets.Dataset:
+        rows = TASKS[name].dataset("train") if name in TASKS else easy_vqa_caption_rows("train")
+        return rows.cast_column("image", datasets.Image())
+
+    parts = {name: train_split(name) for name in weights}
     mixture = datasets.interleave_datasets(
         list(parts.values()), probabilities=list(weights.values()), seed=seed, stopping_strategy="all_exhausted"
     )
