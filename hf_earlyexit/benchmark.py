@@ -26,14 +26,14 @@ loss, interleaved, to show what training the exits costs against plain fine-tuni
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
-from .evaluation import TaskInputs, TaskRun, flop_costs, run_batch, run_knobs, score, task_inputs
+from .evaluation import DecoderAsks, TaskInputs, TaskRun, flop_costs, run_batch, run_knobs, score, task_inputs
 from .measures import PartCosts, expected_time_reduction, parameter_speedup
 from .modeling.configuration_ofa import OFAEarlyExitConfig
-from .modeling.exit_controllers import FixedLayerExit
+from .modeling.exit_controllers import ExitController, ExitState, FixedLayerExit, checked_decision
 from .modeling.exit_knobs import KV_STRATEGIES, NO_EXIT, ROW_EXIT_PLANS, SPECULATIVE_KNOBS
 from .modeling.generation_early_exit import EarlyExitSettings
 from .modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration
@@ -303,11 +303,31 @@ def training_step_benchmark(
 
 
 @torch.no_grad()
-def measure_part_costs(model, inputs: TaskInputs, repeats: int = 3, samples: int = 32) -> PartCosts:
+class AskOnly(ExitController):
+    """`controller`'s test after every exit point, without ever stopping a row: what its asks cost."""
+
+    def __init__(self, controller: ExitController):
+        self.controller = controller
+
+    def __call__(self, state: ExitState) -> torch.BoolTensor:
+        return torch.zeros_like(checked_decision(self.controller(state), state, self.controller))
+
+    def reset(self) -> None:
+        self.controller.reset()
+
+
+def measure_part_costs(
+    model,
+    inputs: TaskInputs,
+    repeats: int = 3,
+    samples: int = 32,
+    askers: Mapping[str, ExitController] | None = None,
+) -> PartCosts:
     """Seconds per sample of one layer of each encoder stream (or of the joint encoder) and of the image stem +
-    embeddings; seconds per generated token of one decoder layer and of the rest of a decoding step. Timed on the
-    first `samples` rows of `inputs` at full depth and with each part forced to exit after its first layer
-    (fixed-length decoding): costs per row and token are averages, steady long before a whole split."""
+    embeddings; seconds per generated token of one decoder layer, of the rest of a decoding step and, for each
+    policy -> controller of `askers`, of one test of that controller after a layer (`AskOnly` at every exit
+    point). Timed on the first `samples` rows of `inputs` at full depth and with each part forced to exit after its
+    first layer (fixed-length decoding): costs per row and token are averages, steady long before a whole split."""
     config, device, inputs = model.config, model.device, inputs.split_at(samples)[0]
     encoder, decoder_layers, encoder_layers = model.get_encoder(), config.decoder_layers, config.encoder_layers
     parts = ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
@@ -328,8 +348,11 @@ def measure_part_costs(model, inputs: TaskInputs, repeats: int = 3, samples: int
 
     functions = {"encoder": encode(), **{part: encode(part) for part in parts}}
     functions |= {"decoder": decode({}), "decoder_shallow": decode({"exit_controller": first_layer})}
+    askers = askers or {}
+    functions |= {f"asking {policy}": decode({"exit_controller": AskOnly(asker)}) for policy, asker in askers.items()}
     seconds = paired_seconds(functions, len(inputs.batches), repeats, device)
     samples, generated = inputs.samples, inputs.samples * tokens
+    asks = generated * len(config.exit_points)
     per_layer = {part: max(0.0, seconds["encoder"] - seconds[part]) / (encoder_layers - 1) / samples for part in parts}
     decoder = max(0.0, seconds["decoder"] - seconds["decoder_shallow"]) / (decoder_layers - 1) / generated
     encoder_layer = sum(per_layer.values())
@@ -339,6 +362,7 @@ def measure_part_costs(model, inputs: TaskInputs, repeats: int = 3, samples: int
         decoder=decoder,
         encoder_fixed=max(0.0, seconds["encoder"] / samples - encoder_layers * encoder_layer),
         decoder_fixed=max(0.0, seconds["decoder"] / generated - decoder_layers * decoder),
+        decoder_asks={policy: max(0.0, seconds[f"asking {policy}"] - seconds["decoder"]) / asks for policy in askers},
     )
 
 
@@ -430,7 +454,9 @@ def task_benchmark(
     functions = {name: generate(name) for name in settings}
     seconds = paired_seconds(functions, len(inputs.batches), repeats, model.device, progress)
     runs = {name: TaskRun.concatenate(batches) for name, batches in batch_runs.items()}
-    costs, flops = measure_part_costs(model, inputs, repeats), flop_costs(model, inputs)
+    asks = DecoderAsks.of(model, knobs)
+    askers = {asks.policy: asks.controller} if asks.controller is not None else {}
+    costs, flops = measure_part_costs(model, inputs, repeats, askers=askers), flop_costs(model, inputs)
 
     batch_size = inputs.batches[0]["input_ids"].shape[0]
 
@@ -442,6 +468,8 @@ def task_benchmark(
             config.encoder_layers,
             config.decoder_layers,
             batch,
+            asks.layers,
+            asks.policy,
         )
 
     def side(name: str) -> dict:
@@ -484,6 +512,8 @@ def task_benchmark(
             "encoder_fixed_per_sample": costs.encoder_fixed,
             "decoder_layer_per_token": costs.decoder,
             "decoder_fixed_per_token": costs.decoder_fixed,
+            "decoder_ask_per_token": costs.ask_cost(asks.policy),
+            "decoder_layers_asked": list(asks.layers),
         },
     }
     if speculative is not None:

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .benchmark import measure_part_costs
-from .evaluation import TaskInputs, risk_losses, run_task, score, task_inputs
+from .evaluation import DecoderAsks, TaskInputs, risk_losses, run_task, score, task_inputs
 from .measures import PartCosts, expected_time_reduction
+from .modeling.exit_controllers import make_controller
 from .modeling.exit_knobs import ENCODER_PARTS, EXIT_KNOBS
 from .modeling.generation_early_exit import EarlyExitSettings
 from .risk_control import LossKind, check_risk, fixed_sequence_test, samples_needed
@@ -163,6 +164,7 @@ def sweep(
         run = run_task(model, processor, inputs, knobs)
         encoder_layers_run = run.encoder_exit_layers[run.encoder_exit_layers > 0]  # 0: a modality the input lacks
         layers = (run.encoder_exit_layers, run.decoder_exit_layers, costs, config.encoder_layers, config.decoder_layers)
+        asks = DecoderAsks.of(model, knobs)
         scores = score(task, run.predictions, inputs.targets, per_sample=per_sample)
         sample_scores = scores.get(f"{task.quality_key}_per_sample")
         losses = (
@@ -173,13 +175,13 @@ def sweep(
         return OperatingPoint(
             settings=knobs,
             quality=scores[task.quality_key],
-            expected_time_reduction=expected_time_reduction(*layers, batch_size),
+            expected_time_reduction=expected_time_reduction(*layers, batch_size, asks.layers, asks.policy),
             seconds=run.seconds,
             sample_losses=losses,
             sample_scores=sample_scores,
             predictions=run.predictions,
             shallowest_encoder_exit=int(encoder_layers_run.min()) if encoder_layers_run.numel() else None,
-            per_row_time_reduction=expected_time_reduction(*layers),
+            per_row_time_reduction=expected_time_reduction(*layers, 1, asks.layers, asks.policy),
         )
 
     full = evaluate({}, None)
@@ -287,6 +289,8 @@ def calibrate(
     """
     levels = risk_levels(risk, tasks, delta)
     grid = calibration_grid(model.config, decoder_thresholds, encoder_thresholds, batch_rules)
+    # What each policy's tests cost, so that asking fewer layers (`max_exit_layer`) counts as time saved.
+    askers = {policy: make_controller(policy, values[0]) for policy, values in decoder_thresholds.items() if values}
     # The time reductions are batch-aware, so the choice is for this batch size.
     rule = {"tolerance": tolerance} if levels is None else {"risk_level": levels, "delta": delta}
     report: dict[str, Any] = {"split": split, "batch_size": batch_size, **rule, "points": len(grid), "tasks": {}}
@@ -295,7 +299,7 @@ def calibrate(
     progress = progress and is_main_process()
     for name in tasks:
         inputs = task_inputs(name, processor, split, samples, batch_size, model.device)
-        costs = from_main_process(lambda inputs=inputs: measure_part_costs(model, inputs))
+        costs = from_main_process(lambda inputs=inputs: measure_part_costs(model, inputs, askers=askers))
         if levels is not None:
             ordering_inputs, inputs = inputs.split_at(max(1, round(ORDERING_SHARE * inputs.samples)))
             if not inputs.batches:

@@ -121,9 +121,10 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     encoder_thresholds = ENCODER_THRESHOLDS if given is None else parse_floats(given) if given else ()  # '': none
     decoder_thresholds = policy_thresholds(args, DECODER_THRESHOLDS)
     batch_rules = [
-        non_default_knobs({"exit_token_layer": layer, "batch_stop_fraction": fraction})
+        non_default_knobs({"exit_token_layer": layer, "batch_stop_fraction": fraction, "max_exit_layer": last})
         for layer in parse_list(args.exit_token_layers, str, "--exit-token-layers must be comma-separated names")
         for fraction in parse_floats(args.batch_stop_fractions)
+        for last in parse_list(args.max_exit_layers, layer_or_any, "--max-exit-layers must be layers or 'any'")
     ]
     model, processor = load_for_this_process(args.model_dir)
     for rule in batch_rules:  # before the sweep, not at its first setting
@@ -257,6 +258,11 @@ def parse_risk(text: str) -> float | dict[str, float]:
     return {name.strip(): parse_list(value, float, message)[0] for name, _, value in pairs}
 
 
+def layer_or_any(text: str) -> int | None:
+    """A `max_exit_layer` of a sweep: a layer, or 'any' (None: no bound)."""
+    return None if text.strip() == "any" else int(text)
+
+
 def parse_floats(text: str) -> list[float]:
     """'0.9,0.95' -> [0.9, 0.95] (thresholds)."""
     return parse_list(text, float, "Thresholds must be comma-separated numbers")
@@ -275,6 +281,9 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
         "--exit-token-layer", dest="exit_token_layer", choices=EXIT_TOKEN_LAYERS, help="a ready row's token layer"
     )
     parser.add_argument("--batch-stop-fraction", dest="batch_stop_fraction", type=float)
+    parser.add_argument(
+        "--max-exit-layer", dest="max_exit_layer", type=int, help="the last decoder layer a token may exit after"
+    )
     parser.add_argument(
         "--exit-mode",
         dest="exit_mode",
@@ -421,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--exit-token-layers", default="own", help="decoder batch rule to sweep: own, batch or own,batch"
     )
     calibrate.add_argument("--batch-stop-fractions", default="1.0", help="decoder batch rule to sweep: 1.0,0.75")
+    calibrate.add_argument(
+        "--max-exit-layers", default="any", help="the last decoder layer asked, to sweep: any,1,2 (default any)"
+    )
     calibrate.add_argument("--plot", help="write the quality / time-reduction trade-off to this PNG")
     calibrate.add_argument("--write", action="store_true", help="save the choice as the model's generation defaults")
     calibrate.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .data import CAPTION_PROMPT, ImageTextCollator
 from .measures import PartCosts, expected_time_reduction
 from .metrics import load as load_metric
-from .modeling.exit_controllers import FixedLayerExit
+from .modeling.exit_controllers import ExitController, FixedLayerExit
 from .modeling.exit_knobs import (
     DRAFT_KNOBS,
     NO_EXIT,
@@ -24,8 +24,35 @@ from .modeling.exit_knobs import (
     non_default_knobs,
     resolve_knobs,
 )
+from .modeling.generation_early_exit import EarlyExitSettings
 from .sharding import shared_map
 from .tasks import Task, get_task
+
+
+@dataclass(frozen=True)
+class DecoderAsks:
+    """Where a lossy run asks its decoder's controller: the `layers` (1-based) after which every token is asked (the
+    exit points from `min_exit_layer` to `max_exit_layer`), its `policy` ("custom" for a controller object) and the
+    `controller`; no layers without decoder exits, or in speculative mode (its rounds are timed as a whole)."""
+
+    policy: str | None = None
+    controller: ExitController | None = None
+    layers: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, model, knobs: dict[str, Any] | None) -> "DecoderAsks":
+        """The asks of a run with `knobs` (on top of "no exit")."""
+        values = {**NO_EXIT, **(knobs or {})}
+        if values["exit_mode"] == "speculative":
+            return cls()
+        settings = EarlyExitSettings.from_knobs(model.config, **values)
+        if settings.decoder is None:
+            return cls()
+        custom = values["exit_controller"]
+        custom = custom.get("decoder") if isinstance(custom, dict) else custom
+        last = settings.max_exit_layer or model.config.decoder_layers
+        layers = tuple(layer for layer in model.config.exit_points if settings.min_exit_layer <= layer <= last)
+        return cls("custom" if custom is not None else values["exit_policy"], settings.decoder, layers)
 
 
 def normalize_answer(text: str) -> str:
@@ -338,6 +365,7 @@ def exit_layer_accuracy(
 
 
 __all__ = [
+    "DecoderAsks",
     "TaskInputs",
     "TaskRun",
     "caption_images",

@@ -7,7 +7,8 @@
 - Parameter speedup (BLIPEE): the decoder parameters a full-depth token uses over the average a token used.
 """
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +22,8 @@ class PartCosts:
     decoder: one decoder layer per generated token.
     encoder_fixed / decoder_fixed: the image stem and embeddings per sample / embeddings and output projection
         per token.
+    decoder_asks: exit policy -> one test of the decoder's controller after a layer (its exit head, if it reads one,
+        and its decision) per generated token; measured costs only (FLOPs count layers, as MuE does).
     """
 
     encoder_image: float
@@ -28,6 +31,16 @@ class PartCosts:
     decoder: float
     encoder_fixed: float = 0.0
     decoder_fixed: float = 0.0
+    decoder_asks: Mapping[str, float] = field(default_factory=dict)
+
+    def ask_cost(self, policy: str | None) -> float:
+        """One ask of `policy`'s controller per token; 0 for costs that count no asks (FLOPs), a ValueError for a
+        policy measured costs lack."""
+        if not self.decoder_asks or policy is None:
+            return 0.0
+        if policy not in self.decoder_asks:
+            raise ValueError(f"No measured ask cost for exit policy {policy!r}; measured: {sorted(self.decoder_asks)}.")
+        return self.decoder_asks[policy]
 
     @classmethod
     def from_config(cls, config, image_tokens: int, text_tokens: int, target_tokens: int) -> "PartCosts":
@@ -70,11 +83,15 @@ def expected_time_reduction(
     encoder_layers: int,
     decoder_layers: int,
     batch_size: int = 1,
+    asked_layers: Sequence[int] = (),
+    policy: str | None = None,
 ) -> float:
     """1 - cost(exits) / cost(full depth) over N samples: `encoder_exit_layers` [N, 2] (image, text; a joint encoder
     gives its depth in both), `decoder_exit_layers` [N, T] with 0 where no token was generated. With `batch_size`
     > 1 it is batch-aware: the samples ran in consecutive batches of that size, each part of a batch and each
-    decoding step costing what its deepest row costs (`batch_deepest`); 1 gives the per-row figure of the papers."""
+    decoding step costing what its deepest row costs (`batch_deepest`); 1 gives the per-row figure of the papers.
+    `asked_layers`: the decoder layers after which `policy`'s controller was asked (`ask_layers`); a token pays
+    one ask (`PartCosts.ask_cost`) for each of them up to its exit layer, or its step's deepest when batch-aware."""
     if encoder_exit_layers.ndim != 2 or encoder_exit_layers.shape[1] != 2 or decoder_exit_layers.ndim != 2:
         raise ValueError("Expected encoder exit layers [N, 2] and decoder exit layers [N, T].")
     if batch_size < 1:
@@ -87,12 +104,15 @@ def expected_time_reduction(
     samples = encoder_exit_layers.shape[0]
     tokens = int((decoder_exit_layers > 0).sum())
     image, text = encoder_exit_layers.double().sum(dim=0).tolist()
+    asked = torch.tensor(sorted(asked_layers), dtype=decoder_exit_layers.dtype, device=decoder_exit_layers.device)
+    asks = int((asked <= decoder_exit_layers[..., None]).sum())  # a token of exit layer 0 (none) asked nothing
     run = (
         costs.encoder_image * image
         + costs.encoder_text * text
         + costs.decoder * float(decoder_exit_layers.double().sum())
         + costs.encoder_fixed * samples
         + costs.decoder_fixed * tokens
+        + costs.ask_cost(policy) * asks
     )
     full = (
         (costs.encoder_image + costs.encoder_text) * encoder_layers * samples

@@ -163,6 +163,9 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         encoder_image_exit_threshold / encoder_text_exit_threshold: the same per stream of a decomposed encoder.
         kv_strategy: what skipped decoder layers get in the cache: "propagate", "copy" or "recompute".
         min_exit_layer: the first decoder layer (1-based) a token may exit after.
+        max_exit_layer: the last decoder layer (1-based) a token may exit after; a token not ready there runs every
+            layer, and the controller is not asked after it (None: any layer). Where tokens exit either early or not
+            at all, asking only up to here saves the asks that never fire (an exit head and a decision per layer).
         encoder_min_exit_layer: the first encoder layer (1-based) the joint encoder or a stream may exit after; no
             exit test runs below it (calibration sets it to the shallowest exit it saw, so no test is wasted).
         row_exit: what a row that is ready to stop does while other rows of its batch go on: "keep" (it stays in
@@ -247,6 +250,7 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     encoder_text_exit_threshold: float | None = None
     kv_strategy: str = "propagate"
     min_exit_layer: int = 1
+    max_exit_layer: int | None = None
     encoder_min_exit_layer: int = 1
     row_exit: str = "auto"
     exit_token_layer: str = "own"

@@ -141,7 +141,8 @@ class EarlyExitCache(DynamicCache):
             return
         if self.kv_strategy == "recompute":
             exited = [row for row, count in enumerate(ran) if count < self.num_layers]
-            rows = torch.tensor(exited, device=layers_run.device)
+            # Every row exited (always so at batch 1): a slice, no gathers.
+            rows = slice(None) if len(exited) == len(ran) else torch.tensor(exited, device=layers_run.device)
             self.frontier[rows, slots] = layers_run[rows, None]  # each waits for the first layer it skipped
             self.pending[rows, slots] = exit_outputs[rows].to(self.pending.dtype)
             self.waiting_layers.update(ran[row] for row in exited)

@@ -39,6 +39,7 @@ EXIT_KNOBS: dict[str, Any] = {
     "encoder_text_exit_threshold": None,
     "kv_strategy": "propagate",
     "min_exit_layer": 1,
+    "max_exit_layer": None,
     "encoder_min_exit_layer": 1,
     "row_exit": "auto",
     "exit_token_layer": "own",
@@ -56,6 +57,7 @@ SPECULATIVE_KNOBS: dict[str, Any] = {
     "kv_strategy": "recompute",
     "row_exit": "compact",
     "exit_token_layer": "own",
+    "max_exit_layer": None,
 }
 
 # Speculative mode's own decoder exit; None: the decoder's (`exit_policy`, `exit_threshold`).
@@ -71,8 +73,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "exit_mode": EXIT_MODES,
     "draft_exit_policy": (*POLICY_NAMES, None),  # None: `exit_policy`
 }
-# Layer knobs: knob -> the config field that bounds it.
-LAYER_BOUNDS: dict[str, str] = {"min_exit_layer": "decoder_layers", "encoder_min_exit_layer": "encoder_layers"}
+# Layer knobs: knob -> the config field that bounds it (`max_exit_layer` may also be None: no bound).
+LAYER_BOUNDS: dict[str, str] = {
+    "min_exit_layer": "decoder_layers",
+    "max_exit_layer": "decoder_layers",
+    "encoder_min_exit_layer": "encoder_layers",
+}
 # Threshold knobs: knob -> its range (None: the decoder's, checked by its policy's controller).
 THRESHOLD_RANGES: dict[str, tuple[float, float] | None] = {
     "exit_threshold": None,
@@ -87,13 +93,18 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
         if name in values and values[name] not in choices:
             raise ValueError(f"Unknown `{name}` {values[name]!r}; choose one of {list(choices)}.")
     for name, depth_field in LAYER_BOUNDS.items():
-        if name not in values:
+        if values.get(name) is None and (name == "max_exit_layer" or name not in values):
             continue
         layer, depth = values[name], getattr(config, depth_field)
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise ValueError(f"`{name}` must be an integer, got {layer!r}.")
         if not 1 <= layer <= depth:
             raise ValueError(f"`{name}` must lie in [1, {depth}] (`{depth_field}`), got {layer}.")
+    if values.get("max_exit_layer") is not None and values["max_exit_layer"] < values.get("min_exit_layer", 1):
+        raise ValueError(
+            f"`max_exit_layer` ({values['max_exit_layer']}) must not be below `min_exit_layer` "
+            f"({values.get('min_exit_layer', 1)})."
+        )
     for name, bounds in THRESHOLD_RANGES.items():
         threshold = values.get(name)
         if threshold is None:

@@ -44,7 +44,8 @@ from .speculative import speculative_generate
 @dataclass
 class EarlyExitSettings:
     """The resolved exit plan of one call: a controller per part (None: that part runs in full), the KV strategy
-    for skipped decoder layers, the first decoder and encoder layers allowed to exit, the decoding length the
+    for skipped decoder layers, the first decoder and encoder layers allowed to exit (and the last decoder one,
+    None: any), the decoding length the
     threshold schedules decay over, and what ready rows do at batch > 1 (`row_exit`, and the decoder's batch-level
     rules `exit_token_layer` and `batch_stop_fraction`), and the `exit_mode`: lossy exits, or exits that draft for
     the full model (`speculative`)."""
@@ -55,6 +56,7 @@ class EarlyExitSettings:
     encoder_text: ExitController | None = None
     kv_strategy: KVStrategy = "propagate"
     min_exit_layer: int = 1
+    max_exit_layer: int | None = None
     encoder_min_exit_layer: int = 1
     max_steps: int = 1
     row_exit: RowExitPlan = "auto"
@@ -100,6 +102,7 @@ class EarlyExitSettings:
             **controllers,
             kv_strategy=value["kv_strategy"],
             min_exit_layer=value["min_exit_layer"],
+            max_exit_layer=value["max_exit_layer"],
             encoder_min_exit_layer=value["encoder_min_exit_layer"],
             max_steps=max_steps,
             row_exit=value["row_exit"],

@@ -965,10 +965,11 @@ class DecoderPositionTable:
     """The decoder's position terms for every position id 0..P-1 (P = max_position_embeddings + 2), so that a
     decoding step of rows without a decoder attention mask slices them instead of recomputing them.
 
-    self_queries / self_keys / cross_queries: [heads, P, head_dim], the queries scaled. buckets: [P, P], the relative
-    bucket of (query, key).
+    positions: [P, d], the LayerNorm'd position embeddings. self_queries / self_keys / cross_queries: [heads, P,
+    head_dim], the queries scaled. buckets: [P, P], the relative bucket of (query, key).
     """
 
+    positions: torch.Tensor
     self_queries: torch.Tensor
     self_keys: torch.Tensor
     cross_queries: torch.Tensor
@@ -1099,6 +1100,7 @@ class OFADecoder(nn.Module):
             positions = self.pos_ln(self.embed_positions.weight)[None]  # [1, P, d]
             ids = torch.arange(positions.shape[1], device=positions.device)
             return DecoderPositionTable(
+                positions=positions[0],
                 self_queries=split_heads(self.self_pos_q_linear(positions), self.num_heads)[0] * self.pos_scaling,
                 self_keys=split_heads(self.self_pos_k_linear(positions), self.num_heads)[0],
                 cross_queries=split_heads(self.cross_pos_q_linear(positions), self.num_heads)[0] * self.pos_scaling,
@@ -1410,13 +1412,14 @@ class OFADecoder(nn.Module):
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, length]
         positions = None  # LayerNorm'd position embeddings: read by the unsliced biases and `recompute`'s catch-up
-        if not sliced or (self_cache is not None and self_cache.kv_strategy == "recompute"):
-            positions = self.pos_ln(self.embed_positions(position_ids))
         query_slots = past + torch.arange(query, device=input_ids.device)
         if sliced:
             table = self_cache.derived("position_table", self.position_table) if self_cache else self.position_table()
             biases = self.unmasked_attention_biases(query_slots, length, encoder_outputs, table)
+            if self_cache is not None and self_cache.kv_strategy == "recompute":
+                positions = table.positions[None, :length]
         else:
+            positions = self.pos_ln(self.embed_positions(position_ids))
             biases = self.attention_biases(positions, position_ids, query_slots[None], attention_mask, encoder_outputs)
         return DecoderStepBiases(positions, position_ids, *biases, query_mask)
 
@@ -1448,7 +1451,9 @@ class OFADecoder(nn.Module):
             logits_fn=lambda: self.exit_logits(exit_state()[:, -1]),
         )
         stop = checked_decision(exit_settings.decoder(state), state, exit_settings.decoder)
-        return stop if finished is None else stop | finished[exits.running], state
+        if finished is None:
+            return stop, state
+        return stop | (finished if exits.active is None else finished[exits.running]), state
 
     def fill_skipped_layers_later(
         self, self_cache: EarlyExitCache, exits: RowExits, slots: slice | None, exit_outputs: torch.Tensor
@@ -1505,8 +1510,9 @@ class OFADecoder(nn.Module):
 
         layers = layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training)
         batch, device = tokens.shape[0], tokens.device
-        exits = RowExits(batch, len(layers), device)
-        if controller is not None:
+        if controller is None:
+            exits = RowExits(batch, len(layers), device)
+        else:
             source = encoder_outputs.last_hidden_state.shape[1]
             costs = functools.partial(self.layer_costs, batch, tokens.shape[1], source, hidden_states.dtype)
             exits = exit_settings.row_exits("decoder", batch, len(layers), device, costs)
@@ -1525,6 +1531,7 @@ class OFADecoder(nn.Module):
             else None
         )
         layer_outputs, exit_states, state = [(hidden_states, None, None)], [], None  # (states, attentions) per layer
+        last_ask = (exit_settings.max_exit_layer if controller is not None else None) or len(layers)
         for count, idx in enumerate(layers, start=1):
             if self_cache is not None:  # earlier tokens' empty slots in this layer, before it reads them
                 self.complete_layer(idx, exits.running, past_key_values, step, attention_mask, encoder_outputs)
@@ -1538,7 +1545,11 @@ class OFADecoder(nn.Module):
                 *((exits.spread(self_weights), exits.spread(cross_weights)) if output_attentions else (None, None)),
             ))  # fmt: skip
             collect = output_exit_hidden_states and idx + 1 in self.exit_points  # never with a controller
-            ask = controller is not None and count >= exit_settings.min_exit_layer and count in self.exit_points
+            ask = (
+                controller is not None
+                and exit_settings.min_exit_layer <= count <= last_ask
+                and count in self.exit_points
+            )
             if not (collect or ask):
                 continue
             exit_state = computed_once(  # the exit head's input, computed once, and only if needed
@@ -1566,7 +1577,8 @@ class OFADecoder(nn.Module):
             )  # fmt: skip
             if exits.finished:
                 break
-        for _ in range(len(layers) + 1 - len(layer_outputs)):  # layers no row ran: each row holds its exit state
+        unrun = len(layers) + 1 - len(layer_outputs) if output_hidden_states or output_attentions else 0
+        for _ in range(unrun):  # layers no row ran: each row holds its exit state
             zeros = (None if weights is None else torch.zeros_like(weights) for weights in layer_outputs[-1][1:])
             layer_outputs.append((exits.snapshot("exit_state", hidden_states), *zeros))
         exit_outputs = exits.stopped_state("output")  # the last layer output of each row that left early

@@ -34,6 +34,24 @@ def test_batch_aware_time_reduction_charges_each_step_its_deepest_row():
         expected_time_reduction(encoder, decoder, costs, 4, 4, batch_size=0)
 
 
+def test_a_token_pays_an_ask_at_each_asked_layer_up_to_its_exit():
+    costs = PartCosts(encoder_image=0, encoder_text=0, decoder=2, decoder_asks={"confidence": 0.5})
+    encoder = torch.zeros(2, 2, dtype=torch.long)
+    decoder = torch.tensor([[1, 4, 0], [3, 4, 2]])
+    asked = (1, 2, 3)  # asks per token: 1, 3, -, 3, 3, 2 = 12
+    # run: 2 * 14 + 0.5 * 12 = 34; full: 2 * 4 * 5 = 40
+    assert expected_time_reduction(encoder, decoder, costs, 4, 4, 1, asked, "confidence") == pytest.approx(1 - 34 / 40)
+    # Batch-aware: each step runs and asks up to its deepest row, (3, 4, 2): 16 layers, 3 + 3 + 3 + 3 + 2 = 14 asks.
+    batched = expected_time_reduction(encoder, decoder, costs, 4, 4, 2, asked, "confidence")
+    assert batched == pytest.approx(1 - (32 + 7) / 40)
+    # Asking only after layer 1 costs one ask per token; layer counts alone (FLOPs) see no ask.
+    assert expected_time_reduction(encoder, decoder, costs, 4, 4, 1, (1,), "confidence") == pytest.approx(1 - 30.5 / 40)
+    layers_only = PartCosts(encoder_image=0, encoder_text=0, decoder=2)
+    assert expected_time_reduction(encoder, decoder, layers_only, 4, 4, 1, asked, "confidence") == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="similarity"):
+        expected_time_reduction(encoder, decoder, costs, 4, 4, 1, asked, "similarity")
+
+
 def test_costs_from_config_count_the_streams_of_a_decomposed_encoder():
     joint = PartCosts.from_config(tiny_config(), image_tokens=16, text_tokens=8, target_tokens=10)
     decomposed = PartCosts.from_config(

@@ -6,9 +6,10 @@ from transformers import GenerationConfig
 
 from hf_earlyexit.modeling.early_exit_cache import KV_STRATEGIES, EarlyExitCache
 from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, ExitController, FixedLayerExit, PatienceExit
+from hf_earlyexit.modeling.exit_knobs import NO_EXIT
 from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings
 from hf_earlyexit.modeling.row_exits import LayerCosts
-from tests.helpers import tiny_inputs, tiny_model
+from tests.helpers import tiny_config, tiny_inputs, tiny_model
 
 DEPTH = 4  # decoder layers of the models here
 NEW_TOKENS = 7
@@ -452,6 +453,28 @@ def test_min_exit_layer_holds_back_exits(model):
     assert bool((out.exit_layers == 3).all())
 
 
+def test_max_exit_layer_stops_asking_and_runs_the_rest_in_full(model):
+    asked = []
+
+    class Recorder(ExitController):
+        def __call__(self, state):  # ready only from layer 3 on: after max_exit_layer=2, never asked there
+            asked.append(state.layer)
+            return torch.full((state.rows.shape[0],), state.layer >= 3)
+
+    inputs = batch_of(4)
+    bounded = generate(model, inputs, "greedy", exit_controller=Recorder(), max_exit_layer=2)
+    assert set(asked) == {1, 2}
+    full = generate(model, inputs, "greedy", **NO_EXIT)
+    assert torch.equal(bounded.sequences, full.sequences)  # no row was ready by layer 2: the full model's tokens
+    assert bool((bounded.exit_layers[bounded.exit_layers > 0] == DEPTH).all())
+    early = generate(model, inputs, "greedy", exit_controller=FixedLayerExit(1), min_exit_layer=2, max_exit_layer=2)
+    assert bool((early.exit_layers[early.exit_layers > 0] == 2).all())
+    # A saved default; speculative mode, whose drafts are its own, refuses it.
+    assert EarlyExitSettings.from_knobs(tiny_config(decoder_layers=DEPTH, max_exit_layer=3)).max_exit_layer == 3
+    with pytest.raises(ValueError, match="max_exit_layer"):
+        model.generate(**inputs, max_new_tokens=3, exit_threshold=0.5, exit_mode="speculative", max_exit_layer=2)
+
+
 def test_confidence_exit_at_a_low_threshold_stops_at_the_first_allowed_layer(model):
     out = generate(model, batch_of(2), "beam", exit_policy="confidence", exit_threshold=0.0, min_exit_layer=2)
     assert bool((out.exit_layers[out.exit_layers > 0] == 2).all())
@@ -572,6 +595,10 @@ def test_defaults_come_from_the_config_and_the_generation_config_and_survive_sav
         (dict(kv_strategy="share"), "kv_strategy"),
         (dict(min_exit_layer=0), "min_exit_layer"),
         (dict(min_exit_layer=DEPTH + 1), "min_exit_layer"),
+        (dict(max_exit_layer=0), "max_exit_layer"),
+        (dict(max_exit_layer=DEPTH + 1), "max_exit_layer"),
+        (dict(max_exit_layer=2.0), "max_exit_layer"),
+        (dict(min_exit_layer=3, max_exit_layer=2), "max_exit_layer"),
         (dict(encoder_min_exit_layer=0), "encoder_min_exit_layer"),
         (dict(encoder_min_exit_layer=2.0), "encoder_min_exit_layer"),
         (dict(encoder_exit_threshold=1.2), "encoder_exit_threshold"),
