@@ -1311,25 +1311,23 @@ class OFADecoder(nn.Module):
         here waits in the cache (`pending`): speculative decoding reads the full model's distributions there. With
         `input_ids` None, only the cache's waiting tokens run."""
         self_cache = past_key_values.self_attention_cache
-        device = encoder_outputs.last_hidden_state.device
         if input_ids is not None:
             hidden_states = self.dropout(self.layernorm_embedding(self.embed_tokens(input_ids) * self.embed_scale))
             self_cache.wait(self_cache.open_slots(hidden_states, self.num_heads), hidden_states)
-        if position_ids is None:
-            position_ids = position_ids_from_mask(attention_mask, self_cache.get_seq_length(), device)
-        positions = self.pos_ln(self.embed_positions(position_ids))
         batch, length = encoder_outputs.last_hidden_state.shape[0], self_cache.get_seq_length()
         # Every layer runs on some of the slots from the first waiting one on: their biases, computed once.
         first = int((self_cache.frontier < len(self.layers)).any(dim=0).long().argmax())
-        biases = self.attention_biases(
-            positions, position_ids, torch.arange(first, length, device=device)[None], attention_mask, encoder_outputs
+        step = self.step_biases(
+            first, length - first, length, attention_mask, encoder_outputs, self_cache, position_ids
         )
+        biases = (step.self_absolute, step.buckets, step.cross_bias)
         slot_biases = SlotBiases(first, *(bias.expand(batch, *bias.shape[1:]) for bias in biases))
-        rows = torch.arange(batch, device=device)
+        rows = torch.arange(batch, device=encoder_outputs.last_hidden_state.device)
         for layer_idx in range(len(self.layers)):
             self.catch_up(
-                layer_idx, rows, past_key_values, positions, position_ids, attention_mask, encoder_outputs, slot_biases
-            )
+                layer_idx, rows, past_key_values, step.positions, step.position_ids, attention_mask, encoder_outputs,
+                slot_biases,
+            )  # fmt: skip
 
     def complete_layer(
         self,
@@ -1388,17 +1386,17 @@ class OFADecoder(nn.Module):
     def step_biases(
         self,
         past: int | torch.Tensor,
+        query: int,
         length: int,
-        input_ids: torch.Tensor,  # [batch, q], read for its shape and device
         attention_mask: torch.Tensor | None,
         encoder_outputs: OFAEncoderOutput,
         self_cache: EarlyExitCache | None,
         position_ids: torch.Tensor | None = None,
     ) -> DecoderStepBiases:
-        """The position terms of this step's queries, at slots past.. of the `length` key slots (`cache_span`);
-        sliced from the `position_table` when rows have no decoder mask or position ids (positions 0, 1, ...), no
-        gradient is needed and no tracer runs (it would trace the whole table in at every step)."""
-        query = input_ids.shape[1]
+        """The position terms of `query` queries at slots past.. of the `length` key slots (`cache_span`); sliced
+        from the `position_table` when rows have no decoder mask or position ids (positions 0, 1, ...), no gradient
+        is needed and no tracer runs (it would trace the whole table in at every step)."""
+        device = encoder_outputs.last_hidden_state.device
         sliced = (
             attention_mask is None
             and position_ids is None
@@ -1410,9 +1408,9 @@ class OFADecoder(nn.Module):
         if attention_mask is not None:  # a static cache's slots not yet written count as pads
             attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[-1]))
         if position_ids is None:
-            position_ids = position_ids_from_mask(attention_mask, length, input_ids.device)  # [batch or 1, length]
+            position_ids = position_ids_from_mask(attention_mask, length, device)  # [batch or 1, length]
         positions = None  # LayerNorm'd position embeddings: read by the unsliced biases and `recompute`'s catch-up
-        query_slots = past + torch.arange(query, device=input_ids.device)
+        query_slots = past + torch.arange(query, device=device)
         if sliced:
             table = self_cache.derived("position_table", self.position_table) if self_cache else self.position_table()
             biases = self.unmasked_attention_biases(query_slots, length, encoder_outputs, table)
@@ -1503,7 +1501,9 @@ class OFADecoder(nn.Module):
 
         hidden_states = inputs_embeds * self.embed_scale
         hidden_states = self.dropout(self.layernorm_embedding(hidden_states))  # [batch, q, d]
-        step = self.step_biases(past, length, tokens, attention_mask, encoder_outputs, self_cache, position_ids)
+        step = self.step_biases(
+            past, tokens.shape[1], length, attention_mask, encoder_outputs, self_cache, position_ids
+        )
         slots = self_cache.open_slots(hidden_states, self.num_heads) if self_cache is not None else None
         if cache is not None and not torch.is_grad_enabled() and not any(past_key_values.is_updated.values()):
             self.cache_cross_key_values(encoder_outputs.last_hidden_state, past_key_values)

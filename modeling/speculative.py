@@ -145,8 +145,12 @@ class CappedDraft(ExitController):
 
     def __call__(self, state: ExitState) -> torch.BoolTensor:
         ready = checked_decision(self.controller(state), state, self.controller)
-        capped = self.caps[state.rows] <= state.layer
-        self.forced[state.rows] = capped & ~ready
+        if state.rows.shape[0] == self.caps.shape[0]:  # every row still runs (always at batch 1): no gathers
+            capped = self.caps <= state.layer
+            self.forced = capped & ~ready
+        else:
+            capped = self.caps[state.rows] <= state.layer
+            self.forced[state.rows] = capped & ~ready
         return ready | capped
 
     def forced_rows(self) -> list[int]:
