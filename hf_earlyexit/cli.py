@@ -33,8 +33,18 @@ def print_report(report: dict[str, Any], one_line: bool) -> None:
 
 
 def given_knobs(args: argparse.Namespace) -> dict[str, Any]:
-    """The exit knobs given on the command line (`add_knob_arguments`)."""
-    return {name: getattr(args, name) for name in EXIT_KNOBS if getattr(args, name, None) is not None}
+    """The exit knobs given on the command line (`add_knob_arguments`); a threshold given as 'none' is None (that
+    part runs in full, whatever the saved default)."""
+    given = {name: getattr(args, name) for name in EXIT_KNOBS if getattr(args, name, None) is not None}
+    return {name: None if value == OFF else value for name, value in given.items()}
+
+
+OFF = "none"  # a threshold knob's value on the command line for "no exit"
+
+
+def threshold_or_off(text: str) -> float | str:
+    """A threshold knob's command-line value: a number, or 'none' (`OFF`)."""
+    return OFF if text.strip().lower() == OFF else float(text)
 
 
 def check_samples(args: argparse.Namespace) -> None:
@@ -270,11 +280,11 @@ def parse_floats(text: str) -> list[float]:
 
 def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     """Exit knobs of `generate`; each one not given comes from the model's saved (calibrated) defaults."""
-    parser.add_argument("--exit-threshold", dest="exit_threshold", type=float)
+    parser.add_argument("--exit-threshold", dest="exit_threshold", type=threshold_or_off)
     parser.add_argument("--exit-policy", dest="exit_policy", choices=POLICY_NAMES)
-    parser.add_argument("--encoder-image-exit-threshold", dest="encoder_image_exit_threshold", type=float)
-    parser.add_argument("--encoder-text-exit-threshold", dest="encoder_text_exit_threshold", type=float)
-    parser.add_argument("--encoder-exit-threshold", dest="encoder_exit_threshold", type=float)
+    parser.add_argument("--encoder-image-exit-threshold", dest="encoder_image_exit_threshold", type=threshold_or_off)
+    parser.add_argument("--encoder-text-exit-threshold", dest="encoder_text_exit_threshold", type=threshold_or_off)
+    parser.add_argument("--encoder-exit-threshold", dest="encoder_exit_threshold", type=threshold_or_off)
     parser.add_argument("--kv-strategy", dest="kv_strategy", choices=KV_STRATEGIES)
     parser.add_argument("--row-exit", dest="row_exit", choices=ROW_EXIT_PLANS, help="ready rows: kept or compacted")
     parser.add_argument(

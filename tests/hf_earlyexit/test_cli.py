@@ -243,6 +243,14 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     assert main([*argv, "--json"]) == 0 and "full_compiled" not in json.loads(capsys.readouterr().out)
     assert main([*argv, "--kv-strategy", "copy", "--json"]) == 0  # one knob given: the calibrated ones stay
     assert json.loads(capsys.readouterr().out)["early_exit"]["settings"] == {**saved, "kv_strategy": "copy"}
+    off = ["--exit-threshold", "none", "--encoder-image-exit-threshold", "0.5", "--json"]  # 'none': whatever is saved
+    assert main([*argv, *off]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["early_exit"]["settings"]["exit_threshold"] is None
+    assert (
+        report["per_part_seconds"]["decoder_layers_asked"] == []
+        and report["early_exit"]["mean_layers"]["decoder_per_token"] == 4
+    )
     speculative_argv = [*argv, "--exit-mode", "speculative", "--exit-threshold", "0.5", "--exit-policy", "confidence"]
     assert main([*speculative_argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
