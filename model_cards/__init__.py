@@ -12,7 +12,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from ..modeling.exit_knobs import EXIT_KNOBS
+from ..modeling.exit_knobs import DRAFT_KNOBS, EXIT_KNOBS
 
 CARD_TEMPLATE = "ofa_early_exit.md"
 TAGS = ["early-exit", "ofa", "vision-language", "hf-earlyexit", "custom_code"]
@@ -42,16 +42,25 @@ def read_benchmark(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def record_settings(records: list[dict[str, Any]]) -> list[str]:
+    """Per record, its skipped layers' K/V strategy and the knobs where its lossy exits' settings differ from another
+    record's (the drafts' knobs do not reach them)."""
+    settings = [{**EXIT_KNOBS, **record["early_exit"].get("settings", {})} for record in records]
+    shown = [name for name in EXIT_KNOBS if name not in ("kv_strategy", *DRAFT_KNOBS)]
+    differing = [name for name in shown if len({repr(s[name]) for s in settings}) > 1]
+    return ["; ".join([s["kv_strategy"], *(f"{name}={s[name]}" for name in differing)]) for s in settings]
+
+
 def measured_table(records: list[dict[str, Any]]) -> str:
     """A Markdown table of benchmark records: quality of both models, expected and wall-clock time reduction."""
     if not records:
         raise ValueError("No benchmark records: the card needs measured numbers (`hf-earlyexit bench --json`).")
     rows = [
         "| task | metric | full | early exit | % of full | expected time reduction (measured / FLOPs) "
-        "| wall-clock reduction | samples x batch | device | skipped layers' K/V |",
+        "| wall-clock reduction | samples x batch | device | skipped layers' K/V; settings that differ |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for record in records:
+    for record, setting in zip(records, record_settings(records), strict=True):
         full, early = record["full"], record["early_exit"]
         ratio = early["quality"] / full["quality"] if full["quality"] else float("nan")
         rows.append(
@@ -60,7 +69,7 @@ def measured_table(records: list[dict[str, Any]]) -> str:
             f"{early.get('expected_time_reduction_flops', float('nan')):.1%} "
             f"| {record['wall_clock_time_reduction']:.1%} | {record.get('samples', '?')} x "
             f"{record.get('batch_size', '?')} | {record.get('device', '?')} "
-            f"| {early.get('settings', {}).get('kv_strategy', EXIT_KNOBS['kv_strategy'])} |"
+            f"| {setting} |"
         )
     return "\n".join(rows)
 

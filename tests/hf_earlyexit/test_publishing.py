@@ -103,10 +103,16 @@ def test_folder_has_weights_code_processor_and_auto_maps(assembled):
     assert read_benchmark(assembled / "benchmark.jsonl") == [RECORD]
 
 
-def test_measured_table_names_each_records_kv_strategy():
+def test_measured_table_names_each_records_kv_strategy_and_the_settings_that_differ():
     copied = {**RECORD, "early_exit": {**RECORD["early_exit"], "settings": {**KNOBS, "kv_strategy": "copy"}}}
     rows = measured_table([RECORD, copied]).splitlines()[2:]
     assert [row.rsplit("|", 2)[1].strip() for row in rows] == ["propagate", "copy"]
+    bounded = {**RECORD, "early_exit": {**RECORD["early_exit"], "settings": {**KNOBS, "max_exit_layer": 1}}}
+    rows = measured_table([RECORD, bounded]).splitlines()[2:]
+    assert [row.rsplit("|", 2)[1].strip() for row in rows] == [
+        "propagate; max_exit_layer=None",
+        "propagate; max_exit_layer=1",
+    ]
 
 
 def test_card_metadata_parses_and_holds_the_measured_table(assembled):
