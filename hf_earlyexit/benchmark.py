@@ -302,7 +302,6 @@ def training_step_benchmark(
     }
 
 
-@torch.no_grad()
 class AskOnly(ExitController):
     """`controller`'s test after every exit point, without ever stopping a row: what its asks cost."""
 
@@ -316,6 +315,7 @@ class AskOnly(ExitController):
         self.controller.reset()
 
 
+@torch.no_grad()
 def measure_part_costs(
     model,
     inputs: TaskInputs,

@@ -4,7 +4,7 @@ clock (settings paired batch by batch)."""
 import pytest
 import torch
 
-from hf_earlyexit import EarlyExitSettings, FixedLayerExit, benchmark
+from hf_earlyexit import ConfidenceExit, EarlyExitSettings, FixedLayerExit, benchmark
 from hf_earlyexit.benchmark import checked_device, model_benchmark, paired_seconds, truncated_model
 from tests.helpers import tiny_inputs, tiny_model
 
@@ -25,6 +25,25 @@ def test_truncated_model_shares_weights_and_equals_the_forced_exit():
         **inputs, max_new_tokens=6, exit_controller={"decoder": FixedLayerExit(2), "encoder": FixedLayerExit(2)}
     )
     assert torch.equal(generated, truncated.generate(**inputs, max_new_tokens=6))
+
+
+def test_ask_only_pays_each_test_and_stops_nothing():
+    model, inputs = tiny_model(decoder_layers=4), tiny_inputs(batch=3)
+    tested = []
+
+    class Recorder(ConfidenceExit):
+        def __call__(self, state):
+            tested.append(state.layer)
+            return super().__call__(state)
+
+    asking = model.generate(
+        **inputs, max_new_tokens=5, exit_controller=benchmark.AskOnly(Recorder(0.0)), return_dict_in_generate=True
+    )
+    full = model.generate(**inputs, max_new_tokens=5, return_dict_in_generate=True)
+    assert torch.equal(asking.sequences, full.sequences) and bool(
+        (asking.exit_layers[asking.exit_layers > 0] == 4).all()
+    )
+    assert set(tested) == {1, 2, 3}  # a threshold of 0 would stop every row at layer 1: AskOnly stops none
 
 
 def test_paired_seconds_alternates_settings_per_batch_and_sums_the_batch_medians(monkeypatch):
