@@ -93,7 +93,7 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
         if name in values and values[name] not in choices:
             raise ValueError(f"Unknown `{name}` {values[name]!r}; choose one of {list(choices)}.")
     for name, depth_field in LAYER_BOUNDS.items():
-        if values.get(name) is None and (name == "max_exit_layer" or name not in values):
+        if name not in values or (name == "max_exit_layer" and values[name] is None):
             continue
         layer, depth = values[name], getattr(config, depth_field)
         if isinstance(layer, bool) or not isinstance(layer, int):
