@@ -50,8 +50,7 @@ class DecoderAsks:
             return cls()
         custom = values["exit_controller"]
         custom = custom.get("decoder") if isinstance(custom, dict) else custom
-        last = settings.max_exit_layer or model.config.decoder_layers
-        layers = tuple(layer for layer in model.config.exit_points if settings.min_exit_layer <= layer <= last)
+        layers = settings.asked_layers(model.config.exit_points, model.config.decoder_layers)
         return cls("custom" if custom is not None else values["exit_policy"], settings.decoder, layers)
 
 

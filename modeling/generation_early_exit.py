@@ -11,7 +11,7 @@ during the call. The layers each part ran come back in the model's outputs (`exi
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +148,14 @@ class EarlyExitSettings:
     def exits(self) -> bool:
         """Whether any part has a controller, i.e. may exit early."""
         return any(getattr(self, part) is not None for part in EXIT_PARTS)
+
+    def asked_layers(self, exit_points: Iterable[int], depth: int) -> tuple[int, ...]:
+        """The decoder layers (1-based, of the `depth` a step runs) after which its controller is asked: the
+        `exit_points` from `min_exit_layer` to `max_exit_layer` (None: `depth`); none without a decoder controller."""
+        if self.decoder is None:
+            return ()
+        last = self.max_exit_layer or depth
+        return tuple(layer for layer in exit_points if self.min_exit_layer <= layer <= last)
 
     def row_exits(
         self, part: str, batch_size: int, depth: int, device: torch.device, costs: Callable[[], LayerCosts]

@@ -1531,7 +1531,7 @@ class OFADecoder(nn.Module):
             else None
         )
         layer_outputs, exit_states, state = [(hidden_states, None, None)], [], None  # (states, attentions) per layer
-        last_ask = (exit_settings.max_exit_layer if controller is not None else None) or len(layers)
+        asked = exit_settings.asked_layers(self.exit_points, len(layers)) if exit_settings is not None else ()
         for count, idx in enumerate(layers, start=1):
             if self_cache is not None:  # earlier tokens' empty slots in this layer, before it reads them
                 self.complete_layer(idx, exits.running, past_key_values, step, attention_mask, encoder_outputs)
@@ -1545,11 +1545,7 @@ class OFADecoder(nn.Module):
                 *((exits.spread(self_weights), exits.spread(cross_weights)) if output_attentions else (None, None)),
             ))  # fmt: skip
             collect = output_exit_hidden_states and idx + 1 in self.exit_points  # never with a controller
-            ask = (
-                controller is not None
-                and exit_settings.min_exit_layer <= count <= last_ask
-                and count in self.exit_points
-            )
+            ask = count in asked
             if not (collect or ask):
                 continue
             exit_state = computed_once(  # the exit head's input, computed once, and only if needed
