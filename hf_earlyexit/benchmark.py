@@ -534,28 +534,30 @@ def task_benchmark(
 
 def speculative_report(runs: dict[str, TaskRun], seconds: dict[str, float]) -> dict:
     """Speculative mode against the full model: whether its outputs are the full model's, its speedup, and how its
-    drafts fared (per round: drafts, then one verification)."""
+    drafts fared (per round: drafts, then one verification; None where no call drafted, having more rows than
+    `draft_max_batch_size`)."""
     run, full = runs["speculative"], runs["full"]
-    rounds = max(run.rounds, 1)
     return {
         "same_outputs_as_full": run.predictions == full.predictions,
         "speedup_over_full": round(seconds["full"] / seconds["speculative"], 3),
         "acceptance_rate": round(run.accepted / run.drafted, 4) if run.drafted else None,
-        "accepted_per_round": round(run.accepted / rounds, 3),
-        "tokens_per_round": round(run.tokens / rounds, 3),
+        "accepted_per_round": round(run.accepted / run.rounds, 3) if run.rounds else None,
+        "tokens_per_round": round(run.tokens / run.rounds, 3) if run.rounds else None,
     }
 
 
-def round_time_shares(model, processor, inputs: TaskInputs, knobs: dict, samples: int = 32) -> dict:
+def round_time_shares(model, processor, inputs: TaskInputs, knobs: dict, samples: int = 32) -> dict | None:
     """Where speculative mode's rounds spend their time, from one more pass over the first `samples` samples under
     `torch.profiler` (which slows it, so shares, not seconds; and it keeps every op's record, so not the whole
     split): drafting, verification, and the rest (acceptance, logits processors, bookkeeping), with the
-    verification's milliseconds per round under the profiler."""
+    verification's milliseconds per round under the profiler; None when no round ran (no call drafted)."""
     batches = inputs.batches[: max(1, samples // inputs.batches[0]["input_ids"].shape[0])]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         for batch in batches:
             run_batch(model, processor, inputs.task, batch, knobs)
     events = {event.key: event for event in profiler.key_averages() if event.key.startswith("speculative.")}
+    if "speculative.round" not in events:  # more rows than `draft_max_batch_size`: the full model decoded
+        return None
     total = events["speculative.round"].cpu_time_total
     draft, verify = (events[f"speculative.{part}"].cpu_time_total for part in ("draft", "verify"))
     return {

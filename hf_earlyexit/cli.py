@@ -33,18 +33,23 @@ def print_report(report: dict[str, Any], one_line: bool) -> None:
 
 
 def given_knobs(args: argparse.Namespace) -> dict[str, Any]:
-    """The exit knobs given on the command line (`add_knob_arguments`); a threshold given as 'none' is None (that
-    part runs in full, whatever the saved default)."""
+    """The exit knobs given on the command line (`add_knob_arguments`); one given as 'none' is None whatever the
+    saved default (a threshold: that part runs in full; `--draft-max-batch-size`: drafts at any batch size)."""
     given = {name: getattr(args, name) for name in EXIT_KNOBS if getattr(args, name, None) is not None}
     return {name: None if value == OFF else value for name, value in given.items()}
 
 
-OFF = "none"  # a threshold knob's value on the command line for "no exit"
+OFF = "none"  # a knob's value on the command line for None: no exit, no bound
 
 
 def threshold_or_off(text: str) -> float | str:
     """A threshold knob's command-line value: a number, or 'none' (`OFF`)."""
     return OFF if text.strip().lower() == OFF else float(text)
+
+
+def int_or_off(text: str) -> int | str:
+    """A count knob's command-line value: an integer, or 'none' (`OFF`)."""
+    return OFF if text.strip().lower() == OFF else int(text)
 
 
 def check_samples(args: argparse.Namespace) -> None:
@@ -155,7 +160,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 def calibrate_drafts(args: argparse.Namespace) -> None:
     """`calibrate --exit-mode speculative`: the drafts and draft length with the most tokens per second."""
-    from .draft_calibration import DRAFT_THRESHOLDS, calibrate_drafts, drafting_grid
+    from .draft_calibration import DRAFT_THRESHOLDS, calibrate_drafts, check_batch_sizes, drafting_grid
 
     one_process("calibrate --exit-mode speculative")
 
@@ -171,10 +176,17 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
     thresholds = policy_thresholds(args, DRAFT_THRESHOLDS)
     draft_tokens = parse_list(args.draft_tokens, int, "--draft-tokens must be comma-separated integers")
     drafting_grid(thresholds, draft_tokens)  # checked before the model loads
+    batch_sizes = (
+        parse_list(args.draft_batch_sizes, int, "--draft-batch-sizes must be comma-separated integers")
+        if args.draft_batch_sizes
+        else []
+    )
+    check_batch_sizes(args.batch_size, batch_sizes)
     model, processor = load_model_and_processor(args.model_dir)
     report = calibrate_drafts(
         model, processor, args.tasks.split(","), args.split, args.samples, args.batch_size, thresholds, draft_tokens,
         args.repeats, write_to=args.model_dir if args.write else None, progress=not args.quiet,
+        batch_sizes=batch_sizes,
     )  # fmt: skip
     print_report(report, args.json)
 
@@ -302,6 +314,12 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--draft-exit-policy", dest="draft_exit_policy", choices=POLICY_NAMES, help="speculative")
     parser.add_argument("--draft-exit-threshold", dest="draft_exit_threshold", type=float, help="speculative drafts")
+    parser.add_argument(
+        "--draft-max-batch-size",
+        dest="draft_max_batch_size",
+        type=int_or_off,
+        help="speculative: the most rows a call drafts for; more decode in full ('none': any)",
+    )
     parser.add_argument("--full", action="store_true", help="the full model (no exit)")
 
 
@@ -436,6 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     calibrate.add_argument("--draft-tokens", default="4,8", help="speculative: draft lengths to time (default 4,8)")
     calibrate.add_argument("--repeats", type=int, default=2, help="speculative: timed rounds per batch (default 2)")
+    calibrate.add_argument(
+        "--draft-batch-sizes",
+        default="",
+        help="speculative: larger batch sizes to time the choice at (e.g. 8,16); sets draft_max_batch_size",
+    )
     calibrate.add_argument(
         "--exit-token-layers", default="own", help="decoder batch rule to sweep: own, batch or own,batch"
     )

@@ -1,5 +1,6 @@
 """Choosing speculative mode's drafts by the clock: which decoder exit drafts (`draft_exit_policy`,
-`draft_exit_threshold`) and how many tokens a round drafts (`num_assistant_tokens`).
+`draft_exit_threshold`), how many tokens a round drafts (`num_assistant_tokens`), and up to which batch size drafting
+pays (`draft_max_batch_size`: a step costs about its deepest row, so larger batches gain less from shallow drafts).
 
 Speculative mode's output is the full model's whatever drafts it, so there is no quality to trade: the choice is the
 setting with the most tokens per second, timed beside the full model on the same batches. Lower thresholds than
@@ -84,7 +85,9 @@ def time_drafts(
 ) -> list[DraftingPoint]:
     """Each setting of `grid` in speculative mode and the full model on the same batches, every one back to back per
     batch (`benchmark.paired_seconds`, so a shared machine's drift stays out of the ratios)."""
-    settings = {"full": {}} | {json.dumps(knobs): {"exit_mode": "speculative", **knobs} for knobs in grid}
+    # Drafting at every batch size, whatever `draft_max_batch_size` the model has saved: the drafts are what is timed.
+    drafting = {"exit_mode": "speculative", "draft_max_batch_size": None}
+    settings = {"full": {}} | {json.dumps(knobs): drafting | knobs for knobs in grid}
     runs: dict[str, list[TaskRun | None]] = {name: [None] * len(inputs.batches) for name in settings}
 
     def timed(name: str):
@@ -130,6 +133,18 @@ def fastest_drafts(timings: dict[str, Sequence[DraftingPoint]]) -> dict[str, Any
     return None if best is None else json.loads(best[0])
 
 
+def largest_paying_batch_size(speedups: dict[int, dict[str, float]]) -> int:
+    """The largest batch size up to which the drafts were at least as fast as the full model on every task, from
+    the speedups per batch size (in any order) per task, the smallest size first; its smallest size if it lost."""
+    sizes = sorted(speedups)
+    largest = sizes[0]
+    for size in sizes[1:]:
+        if min(speedups[size].values()) < 1:
+            break
+        largest = size
+    return largest
+
+
 def write_drafting_defaults(model, settings: dict[str, Any]) -> None:
     """Make `settings` speculative mode's saved drafts: the draft knobs and `num_assistant_tokens` go to the
     generation config (the lossy exit defaults and `exit_mode` stay as they are). ValueError on a bad value."""
@@ -139,6 +154,15 @@ def write_drafting_defaults(model, settings: dict[str, Any]) -> None:
     write_generation_defaults(model, {name: value for name, value in settings.items() if name != DRAFT_LENGTH})
     if draft_tokens is not None:
         model.generation_config.num_assistant_tokens = draft_tokens
+
+
+def check_batch_sizes(batch_size: int, batch_sizes: Sequence[int]) -> None:
+    """ValueError unless the batch sizes to time the chosen drafts at are integers above `batch_size`."""
+    if any(isinstance(size, bool) or not isinstance(size, int) or size <= batch_size for size in batch_sizes):
+        raise ValueError(
+            f"The batch sizes to time the chosen drafts at must be integers above the calibration's batch size "
+            f"({batch_size}), got {list(batch_sizes)}."
+        )
 
 
 def calibrate_drafts(
@@ -153,11 +177,16 @@ def calibrate_drafts(
     repeats: int = 2,
     write_to: str | Path | None = None,
     progress: bool = True,
+    batch_sizes: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Time every drafting setting of `thresholds` x `draft_tokens` on each task's first `samples` rows of `split`
     in batches of `batch_size` (the choice is for that batch size: speculative mode pays most at batch 1), and choose
     the fastest on every task (`fastest_drafts`). Returns the JSON report `hf-earlyexit calibrate --exit-mode
     speculative` prints: per task the full model's tokens per second and every setting's point, fastest first.
+
+    batch_sizes: larger batch sizes to time the chosen setting at, beside the full model; `draft_max_batch_size` is
+        then the largest size up to which it was never slower on any task (`largest_paying_batch_size`), and
+        calls with more rows decode with the full model.
 
     write_to: the model's folder, where the choice is saved as speculative mode's defaults (`write_drafting_defaults`)
         and the report as calibration_speculative.json; ValueError, and nothing written, when no setting was at least
@@ -166,6 +195,7 @@ def calibrate_drafts(
     grid = drafting_grid(thresholds, draft_tokens)
     if not grid:
         raise ValueError("No drafting setting to time: give at least one policy with a threshold.")
+    check_batch_sizes(batch_size, batch_sizes)
     report: dict[str, Any] = {
         "exit_mode": "speculative",
         "split": split,
@@ -188,6 +218,20 @@ def calibrate_drafts(
     for name, points in timings.items():
         point = next((p for p in points if p.settings == chosen), None)
         report["tasks"][name]["chosen"] = None if point is None else point.report()
+    if chosen is not None and batch_sizes:
+        speedups = {batch_size: {name: 1.0 for name in tasks}}  # the choice kept up with the full model here
+        report["batch_sizes"] = {}
+        for size in sorted(batch_sizes):
+            points = {
+                name: time_drafts(
+                    model, processor, task_inputs(name, processor, split, samples, size, model.device), [chosen],
+                    repeats, progress,
+                )[0]
+                for name in tasks
+            }  # fmt: skip
+            report["batch_sizes"][size] = {name: point.report() for name, point in points.items()}
+            speedups[size] = {name: point.speedup for name, point in points.items()}
+        chosen["draft_max_batch_size"] = report["draft_max_batch_size"] = largest_paying_batch_size(speedups)
     if write_to is not None:
         if chosen is None:
             raise ValueError(
@@ -208,6 +252,7 @@ __all__ = [
     "calibrate_drafts",
     "drafting_grid",
     "fastest_drafts",
+    "largest_paying_batch_size",
     "time_drafts",
     "write_drafting_defaults",
 ]

@@ -184,6 +184,10 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         draft_exit_policy / draft_exit_threshold: the decoder's exits while drafting in speculative mode, where the
             fastest drafts come from lower thresholds than lossy exits keep quality with (`hf-earlyexit calibrate
             --exit-mode speculative` picks them); None = `exit_policy` / `exit_threshold`.
+        draft_max_batch_size: the most decoder rows a speculative call drafts for; a call with more decodes with the
+            full model, which gives the same output: a step costs about its deepest row, so past some batch size the
+            drafts no longer save time (`calibrate --exit-mode speculative --draft-batch-sizes` measures where).
+            None = draft at any batch size.
 
     Exit heads (trained modules that map a decoder layer's output to the input of the shared final LayerNorm and
     output projection; with neither field set, every layer uses the shared head directly, as MuE does):
@@ -258,6 +262,7 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     exit_mode: str = "exit"
     draft_exit_policy: str | None = None
     draft_exit_threshold: float | None = None
+    draft_max_batch_size: int | None = None
     exit_adapter_dim: int | None = None
     exit_transformer_layers: list[int] | None = None
 

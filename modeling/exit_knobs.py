@@ -47,6 +47,7 @@ EXIT_KNOBS: dict[str, Any] = {
     "exit_mode": "exit",
     "draft_exit_policy": None,
     "draft_exit_threshold": None,
+    "draft_max_batch_size": None,
 }
 # Every knob at its default, i.e. no part exits: passed on top of saved defaults, it asks for the full model.
 NO_EXIT: dict[str, Any] = dict(EXIT_KNOBS)
@@ -118,6 +119,7 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
         if bounds is not None and not all(bounds[0] <= value <= bounds[1] for value in numbers):
             raise ValueError(f"`{name}` is a cosine similarity and must lie in {list(bounds)}, got {threshold}.")
     check_batch_rules(values)
+    check_draft_batch_size(values.get("draft_max_batch_size"))
     check_encoder_parts({part for part in ENCODER_PARTS if values.get(f"{part}_exit_threshold") is not None}, config)
 
 
@@ -131,6 +133,12 @@ def check_batch_rules(values: dict[str, Any]) -> None:
             '`exit_token_layer="batch"` needs the rows that are ready to keep running to the layer where the batch '
             'stops: use `row_exit="keep"` or "auto", not "compact".'
         )
+
+
+def check_draft_batch_size(size: Any) -> None:
+    """`draft_max_batch_size`: a positive integer, or None (speculative mode drafts at any batch size)."""
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"`draft_max_batch_size` must be a positive integer or None, got {size!r}.")
 
 
 def check_encoder_parts(parts: set[str], config: Any) -> None:
@@ -202,6 +210,7 @@ __all__ = [
     "THRESHOLD_RANGES",
     "ThresholdScheduleName",
     "check_batch_rules",
+    "check_draft_batch_size",
     "check_encoder_parts",
     "check_knobs",
     "drafts_with_exit_knobs",

@@ -48,7 +48,7 @@ class EarlyExitSettings:
     None: any), the decoding length the
     threshold schedules decay over, and what ready rows do at batch > 1 (`row_exit`, and the decoder's batch-level
     rules `exit_token_layer` and `batch_stop_fraction`), and the `exit_mode`: lossy exits, or exits that draft for
-    the full model (`speculative`)."""
+    the full model (`speculative`, up to `draft_max_batch_size` decoder rows)."""
 
     decoder: ExitController | None = None
     encoder: ExitController | None = None
@@ -63,6 +63,7 @@ class EarlyExitSettings:
     exit_token_layer: ExitTokenLayer = "own"
     batch_stop_fraction: float = 1.0
     exit_mode: ExitMode = "exit"
+    draft_max_batch_size: int | None = None
 
     @classmethod
     def from_knobs(
@@ -109,6 +110,7 @@ class EarlyExitSettings:
             exit_token_layer=value["exit_token_layer"],
             batch_stop_fraction=value["batch_stop_fraction"],
             exit_mode=value["exit_mode"],
+            draft_max_batch_size=value["draft_max_batch_size"],
         )
         return settings.drafting(knobs) if settings.exit_mode == "speculative" else settings
 
@@ -272,7 +274,8 @@ class EarlyExitGenerateOutput(GenerateEncoderDecoderOutput):
         layer for an accepted draft, the full depth for the full model's own tokens).
     encoder_exit_layers: [rows, 2], encoder layers run for (image, text); both equal for a joint encoder.
     drafted_tokens / accepted_tokens / speculative_rounds: [rows], speculative mode only: the tokens each row
-        drafted, how many of them the full model accepted, and the rounds (draft, then verify) it took.
+        drafted, how many of them the full model accepted, and the rounds (draft, then verify) it took; zeros where
+        the call had more rows than `draft_max_batch_size` and the full model decoded.
     """
 
     exit_layers: torch.LongTensor | None = None
@@ -343,6 +346,16 @@ class EarlyExitGenerationMixin(GenerationMixin):
             return super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
             )
+        if settings.draft_max_batch_size is not None and input_ids.shape[0] > settings.draft_max_batch_size:
+            # Too many rows for drafts to pay: the full model decodes, which gives the output drafts would.
+            model_kwargs["exit_settings"] = dataclasses.replace(settings, decoder=None, exit_mode="exit")
+            output = super()._sample(
+                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
+            )
+            if not generation_config.return_dict_in_generate:
+                return output
+            none = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+            return EarlyExitGenerateOutput(**output, drafted_tokens=none, accepted_tokens=none, speculative_rounds=none)
         result = speculative_generate(
             self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
         )

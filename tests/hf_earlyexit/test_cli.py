@@ -291,12 +291,15 @@ def test_calibrate_with_a_risk_says_when_nothing_is_certified_and_what_would_be(
 def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys):
     argv = ["calibrate", str(task_model_dir), "--tasks", "caption", "--samples", "2", "--exit-mode", "speculative"]
     thresholds = ["--confidence-thresholds", "0.0", "--similarity-thresholds", "", "--draft-tokens", "2,3"]
-    assert main([*argv, *thresholds, "--repeats", "1", "--quiet", "--json"]) == 0
+    assert main([*argv, *thresholds, "--repeats", "1", "--quiet", "--json", "--draft-batch-sizes", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["exit_mode"] == "speculative" and report["batch_size"] == 1 and report["points"] == 2
     points = report["tasks"]["caption"]["points"]
     assert {point["settings"]["num_assistant_tokens"] for point in points} == {2, 3}
     assert all(point["same_outputs_as_full"] for point in points)
+    if report["chosen"] is not None:  # the clock decides; then the choice was timed at batch 2 as well
+        assert report["batch_sizes"]["2"]["caption"]["same_outputs_as_full"]
+        assert report["chosen"]["draft_max_batch_size"] == report["draft_max_batch_size"] in (1, 2)
 
 
 @pytest.mark.parametrize(
@@ -307,6 +310,9 @@ def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys):
         (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-tokens", "0"], "num_assistant_tokens"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-tokens", "a"], "comma-separated integers"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--repeats", "0"], "--repeats must be positive"),
+        (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-batch-sizes", "1"], "above the calibration's"),
+        (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-batch-sizes", "8,x"], "comma-separated integers"),
+        (["eval", "{m}", "--task", "vqa", "--exit-threshold", "0.9", "--draft-max-batch-size", "0"], "draft_max_batch"),
         (["eval", "{t}/nowhere", "--task", "vqa"], "not a model folder"),
         (["bench", "{m}", "--task", "vqa", "--samples", "2"], "No exit setting"),
         (["bench", "{m}", "--task", "vqa", "--samples", "2", "--kv-strategy", "copy"], "No exit setting"),

@@ -11,6 +11,7 @@ from hf_earlyexit.draft_calibration import (
     calibrate_drafts,
     drafting_grid,
     fastest_drafts,
+    largest_paying_batch_size,
     write_drafting_defaults,
 )
 from hf_earlyexit.modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration
@@ -32,6 +33,12 @@ def test_the_fastest_setting_on_every_task_that_never_loses_to_the_full_model():
     timings["vqa"][1] = point(0.4, 9.0, same=False)  # a setting that changed an output is never chosen
     assert fastest_drafts(timings)["draft_exit_threshold"] == 0.6
     assert fastest_drafts({"vqa": [point(0.2, 11.0)]}) is None
+
+
+def test_drafts_go_up_to_the_largest_batch_size_that_never_lost_on_any_task():
+    assert largest_paying_batch_size({16: {"vqa": 1.1, "caption": 1.2}, 1: {}, 8: {"vqa": 1.0, "caption": 1.3}}) == 16
+    assert largest_paying_batch_size({1: {}, 8: {"vqa": 1.05, "caption": 1.1}, 16: {"vqa": 0.9, "caption": 1.2}}) == 8
+    assert largest_paying_batch_size({1: {}, 8: {"vqa": 0.99, "caption": 1.3}, 16: {"vqa": 1.1, "caption": 1.1}}) == 1
 
 
 def test_a_points_report_counts_per_round_and_against_the_full_model():
@@ -76,7 +83,8 @@ def test_calibrate_drafts_times_every_setting_beside_the_full_model(tmp_path):
 def test_saved_drafts_round_trip_and_leave_the_lossy_defaults(tmp_path):
     model = tiny_model(decoder_layers=4)
     write_drafting_defaults(model, {"exit_policy": "similarity", "exit_threshold": 0.9})
-    chosen = {"draft_exit_policy": "confidence", "draft_exit_threshold": 0.0, "num_assistant_tokens": 3}
+    chosen = {"draft_exit_policy": "confidence", "draft_exit_threshold": 0.0, "num_assistant_tokens": 3,
+              "draft_max_batch_size": 2}  # fmt: skip
     write_drafting_defaults(model, chosen)
     model.save_pretrained(tmp_path)
     loaded = EarlyExitOFAForConditionalGeneration.from_pretrained(tmp_path)
@@ -87,5 +95,9 @@ def test_saved_drafts_round_trip_and_leave_the_lossy_defaults(tmp_path):
         out = loaded.generate(**tiny_inputs(batch=1), max_new_tokens=6, exit_mode="speculative",
                               return_dict_in_generate=True)  # fmt: skip
     assert set(out.exit_layers[out.exit_layers > 0].tolist()) <= {1, 4}  # confidence 0.0 drafts at layer 1
+    with torch.no_grad():
+        above = loaded.generate(**tiny_inputs(batch=3), max_new_tokens=6, exit_mode="speculative",
+                                return_dict_in_generate=True)  # fmt: skip
+    assert set(above.exit_layers.unique().tolist()) == {4} and not bool(above.drafted_tokens.any())  # in full
     with pytest.raises(ValueError, match="draft_exit_threshold"):
         write_drafting_defaults(model, {"draft_exit_policy": "confidence", "draft_exit_threshold": 2.0})

@@ -104,6 +104,33 @@ def test_exit_layers_and_acceptance_statistics(model):
     assert bool((out.speculative_rounds >= (out.exit_layers == DEPTH).sum(dim=1)).all())
 
 
+def test_a_call_with_more_rows_than_draft_max_batch_size_decodes_in_full(model):
+    inputs = mixed_lengths(4, seed=2)
+    expected = full_greedy(model, inputs)
+    for limit, drafts in ((3, False), (4, True)):
+        out = speculative(model, inputs, FixedLayerExit(1), num_assistant_tokens=4, draft_max_batch_size=limit)
+        assert torch.equal(out.sequences, expected), limit
+        assert bool((out.drafted_tokens > 0).any()) == drafts, limit
+    assert not bool(out.speculative_rounds.eq(0).any())
+    limited = speculative(model, inputs, FixedLayerExit(1), draft_max_batch_size=2)
+    assert set(limited.exit_layers.unique().tolist()) == {DEPTH}  # every token the full model's own
+    assert not bool(limited.drafted_tokens.any() or limited.accepted_tokens.any() or limited.speculative_rounds.any())
+    with torch.no_grad():  # without `return_dict_in_generate`, the sequences alone
+        plain = model.generate(**inputs, max_new_tokens=NEW_TOKENS, exit_mode="speculative", exit_threshold=0.5,
+                               draft_max_batch_size=1)  # fmt: skip
+    assert torch.equal(plain, expected)
+
+
+def test_draft_max_batch_size_counts_decoder_rows_and_sampling_above_it_is_the_full_models(model):
+    inputs, sampling = mixed_lengths(2, seed=4), dict(do_sample=True, num_return_sequences=2)  # 4 decoder rows
+    with torch.no_grad():
+        torch.manual_seed(11)
+        expected = model.generate(**inputs, max_new_tokens=NEW_TOKENS, **sampling, **NO_EXIT)
+    torch.manual_seed(11)
+    out = speculative(model, inputs, FixedLayerExit(1), draft_max_batch_size=3, **sampling)
+    assert torch.equal(out.sequences, expected) and not bool(out.drafted_tokens.any())
+
+
 @pytest.mark.parametrize("warpers", [{}, {"temperature": 0.7, "top_k": 5}])
 def test_sampling_follows_the_full_models_distribution(warpers):
     vocab = 10
@@ -269,6 +296,9 @@ def test_a_bad_saved_draft_threshold_is_refused_in_every_mode(model):
         (dict(exit_mode="speculative", exit_threshold=0.5, output_hidden_states=True), "output_hidden_states"),
         (dict(exit_mode="lossless"), "exit_mode"),
         (dict(exit_mode="speculative", draft_exit_policy="random", draft_exit_threshold=0.5), "draft_exit_policy"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, draft_max_batch_size=0), "draft_max_batch_size"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, draft_max_batch_size=2.5), "draft_max_batch_size"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, draft_max_batch_size=True), "draft_max_batch_size"),
     ],
 )
 def test_refusals_name_the_knob(model, knobs, message):
