@@ -64,6 +64,8 @@ class EarlyExitSettings:
     batch_stop_fraction: float = 1.0
     exit_mode: ExitMode = "exit"
     draft_max_batch_size: int | None = None
+    # The tokens that end a row in this `generate` call (its `eos_token_id`): a row fed one has just finished.
+    end_token_ids: torch.Tensor | None = None
 
     @classmethod
     def from_knobs(
@@ -343,6 +345,9 @@ class EarlyExitGenerationMixin(GenerationMixin):
                 streamer=None, **model_kwargs):  # fmt: skip
         settings = model_kwargs.get("exit_settings")
         if settings is None or settings.exit_mode != "speculative":
+            if settings is not None and settings.decoder is not None:
+                end_tokens = generation_config._eos_token_tensor
+                model_kwargs["exit_settings"] = dataclasses.replace(settings, end_token_ids=end_tokens)
             return super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
             )

@@ -1453,6 +1453,20 @@ class OFADecoder(nn.Module):
             return stop, state
         return stop | (finished if exits.active is None else finished[exits.running]), state
 
+    def finished_rows(
+        self, input_ids: torch.LongTensor | None, exit_settings: EarlyExitSettings
+    ) -> torch.BoolTensor | None:
+        """The rows of a decoding step that `generate` has finished: fed the pad token, or the end token they have just
+        emitted (`EarlyExitSettings.end_token_ids`). Their tokens are thrown away, so they stop at the first exit and
+        never hold their batch in deeper layers. None outside one-token steps."""
+        pad = self.config.pad_token_id
+        if input_ids is None or input_ids.shape[1] != 1 or pad is None:
+            return None
+        finished = input_ids[:, 0] == pad
+        if exit_settings.end_token_ids is not None:
+            finished |= torch.isin(input_ids[:, 0], exit_settings.end_token_ids.to(input_ids.device))
+        return finished
+
     def fill_skipped_layers_later(
         self, self_cache: EarlyExitCache, exits: RowExits, slots: slice | None, exit_outputs: torch.Tensor
     ) -> None:
@@ -1522,14 +1536,7 @@ class OFADecoder(nn.Module):
             step.cross_bias,
             step.query_mask,
         )
-        # Rows `generate` has finished are fed the pad token and their tokens are thrown away: they stop at the first
-        # exit, so that they never hold their batch in deeper layers.
-        pad = self.config.pad_token_id
-        finished = (
-            input_ids[:, 0] == pad
-            if controller is not None and input_ids is not None and input_ids.shape[1] == 1 and pad is not None
-            else None
-        )
+        finished = self.finished_rows(input_ids, exit_settings) if controller is not None else None
         layer_outputs, exit_states, state = [(hidden_states, None, None)], [], None  # (states, attentions) per layer
         asked = exit_settings.asked_layers(self.exit_points, len(layers)) if exit_settings is not None else ()
         for count, idx in enumerate(layers, start=1):

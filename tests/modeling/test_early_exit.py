@@ -446,6 +446,23 @@ def test_rows_generate_has_finished_stop_at_the_first_exit(model):
         prompt = torch.tensor([[0, pad], [0, 5], [0, 6], [0, 7]])
         out = model.decoder(prompt, encoder_outputs, exit_settings=EarlyExitSettings(decoder=NeverExit()))
         assert out.exit_layers.tolist() == [DEPTH] * 4
+        # A row fed the end token of its call has just finished too.
+        ended = EarlyExitSettings(decoder=NeverExit(), min_exit_layer=2, end_token_ids=torch.tensor([7]))
+        assert model.decoder(tokens, encoder_outputs, exit_settings=ended).exit_layers.tolist() == [DEPTH, 2, 2, DEPTH]
+
+
+def test_a_row_that_just_emitted_its_end_token_stops_at_the_first_exit_and_the_tokens_stay(model):
+    inputs = batch_of(4)
+    full = generate(model, inputs, "greedy", **NO_EXIT)
+    end = int(full.sequences[:, 3].mode().values)  # a token some rows emit early: their end
+    ended = full.sequences[:, 1:] == end
+    assert 0 < int(ended.any(dim=1).sum()) < 4
+    out = generate(model, inputs, "greedy", exit_controller=NeverExit(), min_exit_layer=2, eos_token_id=end)
+    assert torch.equal(out.sequences, generate(model, inputs, "greedy", eos_token_id=end, **NO_EXIT).sequences)
+    for row, layers in enumerate(out.exit_layers.tolist()):
+        first_end = ended[row].nonzero()[0].item() if bool(ended[row].any()) else None
+        if first_end is not None and first_end + 1 < len(layers):
+            assert layers[: first_end + 1] == [DEPTH] * (first_end + 1) and layers[first_end + 1] == 2, row
 
 
 def test_min_exit_layer_holds_back_exits(model):
