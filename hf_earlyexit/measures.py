@@ -70,10 +70,11 @@ class PartCosts:
 
 def batch_deepest(exit_layers: torch.Tensor, batch_size: int) -> torch.Tensor:
     """Each row's exit layers [N, C] replaced, column by column, by the deepest of its batch (consecutive groups of
-    `batch_size` rows); 0 (no token, no modality) stays 0. What the rows cost when a layer costs the same for any
-    number of rows and ready rows stay in the batch: a step costs what its deepest row costs."""
+    `batch_size` rows); 0 only where no row of the batch has one (no step, no modality). What the rows cost when a
+    layer costs the same for any number of rows and ready rows stay in the batch: a step costs what its deepest row
+    costs, for every row of the batch, a row that already finished included (`generate` runs it along as padding)."""
     deepest = [group.max(dim=0, keepdim=True).values.expand_as(group) for group in exit_layers.split(batch_size)]
-    return torch.where(exit_layers > 0, torch.cat(deepest), 0)
+    return torch.cat(deepest)
 
 
 def expected_time_reduction(
@@ -89,7 +90,8 @@ def expected_time_reduction(
     """1 - cost(exits) / cost(full depth) over N samples: `encoder_exit_layers` [N, 2] (image, text; a joint encoder
     gives its depth in both), `decoder_exit_layers` [N, T] with 0 where no token was generated. With `batch_size`
     > 1 it is batch-aware: the samples ran in consecutive batches of that size, each part of a batch and each
-    decoding step costing what its deepest row costs (`batch_deepest`); 1 gives the per-row figure of the papers.
+    decoding step costing what its deepest row costs, for every row of the batch (`batch_deepest`; the full depth
+    is charged on the same steps); 1 gives the per-row figure of the papers.
     `asked_layers`: the decoder layers after which `policy`'s controller was asked (`ask_layers`); a token pays
     one ask (`PartCosts.ask_cost`) for each of them up to its exit layer, or its step's deepest when batch-aware."""
     if encoder_exit_layers.ndim != 2 or encoder_exit_layers.shape[1] != 2 or decoder_exit_layers.ndim != 2:

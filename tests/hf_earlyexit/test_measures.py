@@ -22,13 +22,15 @@ def test_batch_aware_time_reduction_charges_each_step_its_deepest_row():
     costs = PartCosts(encoder_image=1, encoder_text=0, decoder=1)
     encoder = torch.tensor([[1, 1], [3, 3], [2, 2]])
     decoder = torch.tensor([[1, 4, 0], [2, 2, 2], [1, 1, 1]])
-    # Batches of 2: rows 0-1 run the deepest of each column, (3, 3) and steps (2, 4, 2); row 2 is a batch of its own.
-    assert batch_deepest(decoder, 2).tolist() == [[2, 4, 0], [2, 4, 2], [1, 1, 1]]
+    # Batches of 2: rows 0-1 run the deepest of each column, (3, 3) and steps (2, 4, 2), row 0 riding along in the
+    # last step after its end; row 2 is a batch of its own.
+    assert batch_deepest(decoder, 2).tolist() == [[2, 4, 2], [2, 4, 2], [1, 1, 1]]
     assert batch_deepest(encoder, 2)[:, 0].tolist() == [3, 3, 2]
+    assert batch_deepest(torch.tensor([[1, 0], [2, 0]]), 2).tolist() == [[2, 0], [2, 0]]  # no row ran step 2
     per_row = expected_time_reduction(encoder, decoder, costs, 4, 4)
     batched = expected_time_reduction(encoder, decoder, costs, 4, 4, batch_size=2)
-    # run: encoder 3 + 3 + 2 = 8, decoder 2 + 4 + 2 + 4 + 2 + 3 = 17; full: 12 + 32 = 44
-    assert batched == pytest.approx(1 - 25 / 44) and batched < per_row
+    # run: encoder 3 + 3 + 2 = 8, decoder 2 * (2 + 4 + 2) + 3 = 19; full, on the same 9 row-steps: 12 + 36 = 48
+    assert batched == pytest.approx(1 - 27 / 48) and batched < per_row
     assert expected_time_reduction(encoder, decoder, costs, 4, 4, batch_size=3) <= batched
     with pytest.raises(ValueError, match="batch_size"):
         expected_time_reduction(encoder, decoder, costs, 4, 4, batch_size=0)
@@ -41,9 +43,10 @@ def test_a_token_pays_an_ask_at_each_asked_layer_up_to_its_exit():
     asked = (1, 2, 3)  # asks per token: 1, 3, -, 3, 3, 2 = 12
     # run: 2 * 14 + 0.5 * 12 = 34; full: 2 * 4 * 5 = 40
     assert expected_time_reduction(encoder, decoder, costs, 4, 4, 1, asked, "confidence") == pytest.approx(1 - 34 / 40)
-    # Batch-aware: each step runs and asks up to its deepest row, (3, 4, 2): 16 layers, 3 + 3 + 3 + 3 + 2 = 14 asks.
+    # Batch-aware: each step runs and asks up to its deepest row, (3, 4, 2), for both rows (row 0 rides along in
+    # the last): 18 layers and 2 * (3 + 3 + 2) = 16 asks, against the full depth on those 6 row-steps.
     batched = expected_time_reduction(encoder, decoder, costs, 4, 4, 2, asked, "confidence")
-    assert batched == pytest.approx(1 - (32 + 7) / 40)
+    assert batched == pytest.approx(1 - (36 + 8) / 48)
     # Asking only after layer 1 costs one ask per token; layer counts alone (FLOPs) see no ask.
     assert expected_time_reduction(encoder, decoder, costs, 4, 4, 1, (1,), "confidence") == pytest.approx(1 - 30.5 / 40)
     layers_only = PartCosts(encoder_image=0, encoder_text=0, decoder=2)
