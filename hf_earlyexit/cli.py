@@ -457,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--draft-batch-sizes",
         default="",
-        help="speculative: larger batch sizes to time the choice at (e.g. 8,16); sets draft_max_batch_size",
+        help="speculative: larger batch sizes to time the best settings at too (e.g. 8,16); sets draft_max_batch_size",
     )
     calibrate.add_argument(
         "--exit-token-layers", default="own", help="decoder batch rule to sweep: own, batch or own,batch"

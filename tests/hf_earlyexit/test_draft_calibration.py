@@ -9,9 +9,12 @@ import torch
 from hf_earlyexit.draft_calibration import (
     DraftingPoint,
     calibrate_drafts,
+    choose_for_batch_sizes,
+    contenders,
     drafting_grid,
     fastest_drafts,
     largest_paying_batch_size,
+    served_speedup,
     write_drafting_defaults,
 )
 from hf_earlyexit.modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration
@@ -19,8 +22,8 @@ from tests.helpers import tiny_inputs, tiny_model
 from tests.hf_earlyexit.test_evaluation import task_setup
 
 
-def point(threshold: float, seconds: float, same: bool = True) -> DraftingPoint:
-    settings = {"draft_exit_policy": "confidence", "draft_exit_threshold": threshold, "num_assistant_tokens": 4}
+def point(threshold: float, seconds: float, same: bool = True, k: int = 4) -> DraftingPoint:
+    settings = {"draft_exit_policy": "confidence", "draft_exit_threshold": threshold, "num_assistant_tokens": k}
     return DraftingPoint(settings, seconds, 10.0, tokens=100, same_outputs=same, drafted=80, accepted=60, rounds=30)
 
 
@@ -39,6 +42,44 @@ def test_drafts_go_up_to_the_largest_batch_size_that_never_lost_on_any_task():
     assert largest_paying_batch_size({16: {"vqa": 1.1, "caption": 1.2}, 1: {}, 8: {"vqa": 1.0, "caption": 1.3}}) == 16
     assert largest_paying_batch_size({1: {}, 8: {"vqa": 1.05, "caption": 1.1}, 16: {"vqa": 0.9, "caption": 1.2}}) == 8
     assert largest_paying_batch_size({1: {}, 8: {"vqa": 0.99, "caption": 1.3}, 16: {"vqa": 1.1, "caption": 1.1}}) == 1
+
+
+def test_contenders_are_the_settings_within_the_margin_of_the_best():
+    timings = {
+        "caption": [point(0.2, 5.0), point(0.4, 5.1), point(0.6, 6.0), point(0.8, 5.0, same=False)],
+        "vqa": [point(0.2, 9.0), point(0.4, 9.0), point(0.6, 9.0), point(0.8, 9.0)],
+    }
+    assert [c["draft_exit_threshold"] for c in contenders(timings)] == [0.2, 0.4]  # best first; 0.6 is 9% behind
+    assert [c["draft_exit_threshold"] for c in contenders(timings, margin=0.5)] == [0.2, 0.4, 0.6]
+    assert contenders({"vqa": [point(0.2, 11.0)]}) == []
+
+
+def test_the_served_speedup_counts_the_full_model_above_the_batch_limit():
+    assert served_speedup({1: {"vqa": 1.5, "caption": 2.0}, 8: {"vqa": 1.2, "caption": 1.5}}) == pytest.approx(
+        (1.5 * 2.0 * 1.2 * 1.5) ** 0.25
+    )
+    # It lost at 8 (and changed an output at 16): the full model decodes there.
+    assert served_speedup({1: {"vqa": 1.5}, 8: {"vqa": 0.9}, 16: {"vqa": 0.0}}) == pytest.approx(1.5 ** (1 / 3))
+    assert served_speedup({1: {"vqa": 0.0}}) == 0.0
+
+
+def test_settings_alike_at_batch_1_are_told_apart_at_larger_batch_sizes():
+    def timed(seconds: dict[int, float]) -> list[DraftingPoint]:  # draft length -> seconds
+        return [point(0.2, value, k=k) for k, value in seconds.items()]
+
+    timings = {  # eight drafts per round lead by 2% at batch 1, four pay at batch 8 where eight lose
+        1: {"caption": timed({8: 5.0, 4: 5.1}), "vqa": timed({8: 8.0, 4: 8.1})},
+        8: {"caption": timed({8: 11.0, 4: 9.0}), "vqa": timed({8: 10.5, 4: 9.5})},
+    }
+    chosen, report = choose_for_batch_sizes(timings)
+    assert chosen["num_assistant_tokens"] == 4 and chosen["draft_max_batch_size"] == 8
+    assert report["draft_max_batch_size"] == 8 and set(report["batch_sizes"]) == {8}
+    assert report["batch_sizes"][8]["caption"]["speedup_over_full"] == round(10 / 9, 3)
+    assert [c["settings"]["num_assistant_tokens"] for c in report["contenders"]] == [4, 8]
+    assert [c["draft_max_batch_size"] for c in report["contenders"]] == [8, 1]
+    timings[8]["vqa"][1] = point(0.2, 9.5, same=False, k=4)  # a setting that changed an output does not pay there
+    chosen, report = choose_for_batch_sizes(timings)
+    assert chosen == {**point(0.2, 5.0, k=8).settings, "draft_max_batch_size": 1}
 
 
 def test_a_points_report_counts_per_round_and_against_the_full_model():
