@@ -1113,23 +1113,43 @@ class OFADecoder(nn.Module):
         tensors = [p for module in (*modules, self.cross_pos_q_linear) for p in module.parameters()]
         return self.weight_table("position_table", tensors, make)
 
-    def unmasked_attention_biases(
-        self, query_slots: torch.Tensor, length: int, encoder_outputs: OFAEncoderOutput, table: DecoderPositionTable
+    def table_attention_biases(
+        self,
+        query_slots: torch.Tensor,
+        length: int,
+        encoder_outputs: OFAEncoderOutput,
+        table: DecoderPositionTable,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`attention_biases` of new tokens at `query_slots` [q] of `length` key slots, for rows without a decoder
-        attention mask (position ids 0, 1, ...), sliced from the `position_table`: the same three tensors, with a
-        batch of 1 in the first two."""
-        self_keys = table.self_keys[:, :length].transpose(-1, -2)
-        self_absolute = torch.matmul(table.self_queries[:, query_slots], self_keys)[None]  # [1, heads, q, T]
+        """`attention_biases` of new tokens at `query_slots` [q] of `length` key slots, read from the
+        `position_table`: sliced for rows at positions 0, 1, ... (`position_ids` None; then the first two tensors
+        have a batch of 1), gathered at each row's `position_ids` [batch, length] otherwise (a decoder mask, or a
+        speculative batch's rows skipping their rejected drafts), with the `attention_mask` [batch, length]."""
+        if position_ids is None:
+            queries, keys = table.self_queries[None, :, query_slots], table.self_keys[None, :, :length]
+            cross_queries, buckets = (
+                table.cross_queries[None, :, query_slots],
+                table.buckets[None, query_slots, :length],
+            )
+        else:
+            query_ids = position_ids[:, query_slots]  # [batch, q]
+            queries, keys = (
+                table.self_queries[:, query_ids].transpose(0, 1),
+                table.self_keys[:, position_ids].transpose(0, 1),
+            )
+            cross_queries = table.cross_queries[:, query_ids].transpose(0, 1)  # [batch, heads, q, head_dim]
+            buckets = table.buckets[query_ids[:, :, None], position_ids[:, None, :]]
+        self_absolute = torch.matmul(queries, keys.transpose(-1, -2))  # [batch or 1, heads, q, T]
         # The causal mask, which also hides a static cache's slots not yet written.
         masked = torch.arange(length, device=query_slots.device)[None, :] > query_slots[:, None]  # [q, T]
+        if attention_mask is not None:
+            masked = masked | attention_mask.eq(0)[:, None, None, :]
         self_absolute = self_absolute.masked_fill(masked, torch.finfo(self_absolute.dtype).min)
-        cross_bias = torch.matmul(
-            table.cross_queries[None, :, query_slots], self.cross_position_keys(encoder_outputs).transpose(-1, -2)
-        )  # [batch, heads, q, S]
+        cross_bias = torch.matmul(cross_queries, self.cross_position_keys(encoder_outputs).transpose(-1, -2))
         padding = encoder_outputs.padding_mask[:, None, None, :]
-        cross_bias = cross_bias.masked_fill(padding, torch.finfo(cross_bias.dtype).min)
-        return self_absolute, table.buckets[None, query_slots, :length], cross_bias
+        cross_bias = cross_bias.masked_fill(padding, torch.finfo(cross_bias.dtype).min)  # [batch, heads, q, S]
+        return self_absolute, buckets, cross_bias
 
     def layer_self_bias(self, layer_idx: int, self_absolute: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
         """A layer's self-attention bias: the masked absolute bias plus its relative bias, [R or 1, heads, Q, T]."""
@@ -1393,29 +1413,29 @@ class OFADecoder(nn.Module):
         self_cache: EarlyExitCache | None,
         position_ids: torch.Tensor | None = None,
     ) -> DecoderStepBiases:
-        """The position terms of `query` queries at slots past.. of the `length` key slots (`cache_span`); sliced
-        from the `position_table` when rows have no decoder mask or position ids (positions 0, 1, ...), no gradient
-        is needed and no tracer runs (it would trace the whole table in at every step)."""
+        """The position terms of `query` queries at slots past.. of the `length` key slots (`cache_span`); read from
+        the `position_table` when no gradient is needed and no tracer runs (it would trace the whole table in at every
+        step): sliced when rows have no decoder mask or position ids (positions 0, 1, ...), gathered otherwise."""
         device = encoder_outputs.last_hidden_state.device
-        sliced = (
-            attention_mask is None
-            and position_ids is None
-            and not torch.is_grad_enabled()
+        from_table = (
+            not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
             and length <= self.embed_positions.num_embeddings
         )
+        unmasked = attention_mask is None and position_ids is None
         query_mask = attention_mask[:, -query:] if attention_mask is not None else None
         if attention_mask is not None:  # a static cache's slots not yet written count as pads
             attention_mask = F.pad(attention_mask, (0, length - attention_mask.shape[-1]))
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask, length, device)  # [batch or 1, length]
-        positions = None  # LayerNorm'd position embeddings: read by the unsliced biases and `recompute`'s catch-up
+        positions = None  # LayerNorm'd position embeddings: read by the computed biases and `recompute`'s catch-up
         query_slots = past + torch.arange(query, device=device)
-        if sliced:
+        if from_table:
             table = self_cache.derived("position_table", self.position_table) if self_cache else self.position_table()
-            biases = self.unmasked_attention_biases(query_slots, length, encoder_outputs, table)
+            gathered = None if unmasked else position_ids.expand(len(encoder_outputs.last_hidden_state), -1)
+            biases = self.table_attention_biases(query_slots, length, encoder_outputs, table, gathered, attention_mask)
             if self_cache is not None and self_cache.kv_strategy == "recompute":
-                positions = table.positions[None, :length]
+                positions = table.positions[None, :length] if unmasked else table.positions[gathered]
         else:
             positions = self.pos_ln(self.embed_positions(position_ids))
             biases = self.attention_biases(positions, position_ids, query_slots[None], attention_mask, encoder_outputs)

@@ -194,8 +194,9 @@ def test_cache_step_equals_full_prefix_logits():
 
 
 def test_decoding_from_the_position_table_equals_the_per_step_biases():
-    """Without a decoder mask and grad, decoding slices a table of the position terms; it must equal computing them
-    per step (a mask of ones, or grad), in the first step, a cached step and after the weights change."""
+    """Without grad, decoding reads the position terms from a table: sliced without a decoder mask, gathered at
+    each row's positions with one (mask holes shift the positions). It must equal computing them per step (with
+    grad), in the first step, a cached step and after the weights change."""
     model = tiny_model()
     inputs = tiny_inputs()
     decoder_input_ids = torch.tensor([[0, 5, 9, 11, 4], [0, 7, 7, 3, 8]])
@@ -225,6 +226,8 @@ def test_decoding_from_the_position_table_equals_the_per_step_biases():
         table = steps(False, None)
         torch.testing.assert_close(table, steps(False, ones), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(table, steps(True, None), atol=1e-5, rtol=1e-5)
+        holes = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 0, 1]])
+        torch.testing.assert_close(steps(False, holes), steps(True, holes), atol=1e-5, rtol=1e-5)
 
 
 def test_left_and_right_padding_give_the_unpadded_result():
