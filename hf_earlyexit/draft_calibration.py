@@ -289,7 +289,8 @@ def calibrate_drafts(
     speculative` prints: per task the full model's tokens per second and every setting's point, fastest first.
 
     batch_sizes: larger batch sizes to time the `contenders` at, beside the full model (settings alike at
-        `batch_size` may differ there: at batch 8 a round's drafts cost the batch its deepest row). The choice is
+        `batch_size` may differ there: each draft step costs the whole batch, and the verification grows with the
+        drafts, so a shorter draft budget can pay more). The choice is
         then the contender with the largest `served_speedup` over all the sizes, and `draft_max_batch_size` the
         largest size up to which it was never slower on any task (`largest_paying_batch_size`): calls with more rows
         decode with the full model.
