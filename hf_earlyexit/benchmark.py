@@ -12,10 +12,10 @@ any number of rows), and reports the decoder's measured layer costs with the pla
 
 `task_benchmark` is the proof on a trained model: the full model and the early-exit model side by side on the same
 test inputs, in one process, paired batch by batch and repeated (`paired_seconds`): quality, expected time reduction
-(layers run, weighted by each part's cost per layer, measured on this machine by `measure_part_costs`, and by FLOPs
-as MuE counts), the wall-clock ratio and per-part times; and, unless asked not to, the full model compiled
-(`compiled_full_decoding`: a static cache, each decoding step one `torch.compile` graph), the fastest full model a
-user could run instead, so that every speedup is also stated against it. `measure_part_costs` times each part at
+(layers run, weighted by each part's cost per layer, measured on this machine in the same rounds by `PartCostRuns`,
+and by FLOPs as MuE counts), the wall-clock ratio and per-part times; and, unless asked not to, the full model
+compiled (`compiled_full_decoding`: a static cache, each decoding step one `torch.compile` graph), the fastest full
+model a user could run instead, so that every speedup is also stated against it. `PartCostRuns` times each part at
 full depth and forced to exit after its first layer, so the difference is what its other layers cost and the rest is
 what runs at any depth (the image stem, embeddings, output projection and the `generate` loop).
 
@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .evaluation import DecoderAsks, TaskInputs, TaskRun, flop_costs, run_batch, run_knobs, score, task_inputs
-from .measures import PartCosts, expected_time_reduction, parameter_speedup
+from .evaluation import Asks, TaskInputs, TaskRun, flop_costs, run_batch, run_knobs, score, task_inputs
+from .measures import PartCosts, encoder_streams, expected_time_reduction, parameter_speedup
 from .modeling.configuration_ofa import OFAEarlyExitConfig
 from .modeling.exit_controllers import ExitController, ExitState, FixedLayerExit, checked_decision
 from .modeling.exit_knobs import KV_STRATEGIES, NO_EXIT, ROW_EXIT_PLANS, SPECULATIVE_KNOBS
@@ -315,55 +315,92 @@ class AskOnly(ExitController):
         self.controller.reset()
 
 
-@torch.no_grad()
+class PartCostRuns:
+    """The runs whose seconds give `PartCosts`: each part at full depth and forced to exit after its first layer
+    (fixed-length decoding), per batch of `inputs`, so that they can join the rounds of `paired_seconds` beside the
+    runs they price (`task_benchmark`) or be timed alone (`measure_part_costs`).
+
+    functions: name -> run on batch `index`: the encoder, each stream after its first layer, the decoder at full
+        depth and after its first layer, and, asking a controller after every layer or exit point without ever
+        stopping (`AskOnly`): the decoder for each policy -> controller of `askers`, the encoder for each part ->
+        controller of `encoder_askers`.
+    """
+
+    def __init__(
+        self,
+        model,
+        inputs: TaskInputs,
+        askers: Mapping[str, ExitController] | None = None,
+        encoder_askers: Mapping[str, ExitController] | None = None,
+    ):
+        config, encoder = model.config, model.get_encoder()
+        self.config, self.inputs, self.askers = config, inputs, dict(askers or {})
+        self.encoder_askers = dict(encoder_askers or {})
+        self.parts = encoder_streams(config)
+        first_layer = FixedLayerExit(1)
+        with torch.no_grad():
+            encoder_outputs = [encoder(**batch) for batch in inputs.batches]
+        tokens = inputs.task.max_new_tokens
+
+        def encode(controllers: dict[str, ExitController]):
+            settings = EarlyExitSettings(**controllers)
+            return torch.no_grad()(lambda index: encoder(**inputs.batches[index], exit_settings=settings))
+
+        def decode(knobs: dict):
+            return lambda index: model.generate(
+                encoder_outputs=encoder_outputs[index], attention_mask=inputs.batches[index]["attention_mask"],
+                **{**NO_EXIT, **knobs}, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1,
+            )  # fmt: skip
+
+        functions = {"encoder": encode({}), **{part: encode({part: first_layer}) for part in self.parts}}
+        functions |= {f"{part} asking": encode({part: AskOnly(c)}) for part, c in self.encoder_askers.items()}
+        functions |= {"decoder": decode({}), "decoder_shallow": decode({"exit_controller": first_layer})}
+        askers = self.askers.items()
+        functions |= {f"decoder asking {policy}": decode({"exit_controller": AskOnly(c)}) for policy, c in askers}
+        self.functions = {f"part cost: {name}": function for name, function in functions.items()}
+
+    def costs(self, seconds: Mapping[str, float]) -> PartCosts:
+        """Seconds per sample of one layer of each encoder stream (or of the joint encoder) and of the image stem +
+        embeddings, and of one test of each encoder asker's controller after a layer; seconds per generated token of
+        one decoder layer, of the rest of a decoding step and of one test of each asker's controller after a layer;
+        from `seconds` (name -> seconds over every batch, as `paired_seconds` gives, for at least the names of
+        `functions`)."""
+        seconds = {name.removeprefix("part cost: "): value for name, value in seconds.items()}
+        config, parts = self.config, self.parts
+        samples = self.inputs.samples
+        generated = samples * self.inputs.task.max_new_tokens
+        asks = generated * len(config.exit_points)
+        encoder_layers, decoder_layers = config.encoder_layers, config.decoder_layers
+        per_layer = {p: max(0.0, seconds["encoder"] - seconds[p]) / (encoder_layers - 1) / samples for p in parts}
+        decoder = max(0.0, seconds["decoder"] - seconds["decoder_shallow"]) / (decoder_layers - 1) / generated
+        encoder_layer = sum(per_layer.values())
+        return PartCosts(
+            encoder_image=per_layer[parts[0]],
+            encoder_text=per_layer.get("encoder_text", 0.0),
+            decoder=decoder,
+            encoder_fixed=max(0.0, seconds["encoder"] / samples - encoder_layers * encoder_layer),
+            decoder_fixed=max(0.0, seconds["decoder"] / generated - decoder_layers * decoder),
+            decoder_asks={p: max(0.0, seconds[f"decoder asking {p}"] - seconds["decoder"]) / asks for p in self.askers},
+            encoder_asks={
+                part: max(0.0, seconds[f"{part} asking"] - seconds["encoder"]) / (encoder_layers - 1) / samples
+                for part in self.encoder_askers
+            },
+        )
+
+
 def measure_part_costs(
     model,
     inputs: TaskInputs,
     repeats: int = 3,
     samples: int = 32,
     askers: Mapping[str, ExitController] | None = None,
+    encoder_askers: Mapping[str, ExitController] | None = None,
 ) -> PartCosts:
-    """Seconds per sample of one layer of each encoder stream (or of the joint encoder) and of the image stem +
-    embeddings; seconds per generated token of one decoder layer, of the rest of a decoding step and, for each
-    policy -> controller of `askers`, of one test of that controller after a layer (`AskOnly` at every exit
-    point). Timed on the first `samples` rows of `inputs` at full depth and with each part forced to exit after its
-    first layer (fixed-length decoding): costs per row and token are averages, steady long before a whole split."""
-    config, device, inputs = model.config, model.device, inputs.split_at(samples)[0]
-    encoder, decoder_layers, encoder_layers = model.get_encoder(), config.decoder_layers, config.encoder_layers
-    parts = ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
-    first_layer = FixedLayerExit(1)
-
-    def encode(shallow: str | None = None):
-        settings = EarlyExitSettings(**({shallow: first_layer} if shallow else {}))
-        return lambda index: encoder(**inputs.batches[index], exit_settings=settings)
-
-    encoder_outputs = [encoder(**batch) for batch in inputs.batches]
-    tokens = inputs.task.max_new_tokens
-
-    def decode(knobs: dict):
-        return lambda index: model.generate(
-            encoder_outputs=encoder_outputs[index], attention_mask=inputs.batches[index]["attention_mask"],
-            **{**NO_EXIT, **knobs}, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1,
-        )  # fmt: skip
-
-    functions = {"encoder": encode(), **{part: encode(part) for part in parts}}
-    functions |= {"decoder": decode({}), "decoder_shallow": decode({"exit_controller": first_layer})}
-    askers = askers or {}
-    functions |= {f"asking {policy}": decode({"exit_controller": AskOnly(asker)}) for policy, asker in askers.items()}
-    seconds = paired_seconds(functions, len(inputs.batches), repeats, device)
-    samples, generated = inputs.samples, inputs.samples * tokens
-    asks = generated * len(config.exit_points)
-    per_layer = {part: max(0.0, seconds["encoder"] - seconds[part]) / (encoder_layers - 1) / samples for part in parts}
-    decoder = max(0.0, seconds["decoder"] - seconds["decoder_shallow"]) / (decoder_layers - 1) / generated
-    encoder_layer = sum(per_layer.values())
-    return PartCosts(
-        encoder_image=per_layer[parts[0]],
-        encoder_text=per_layer.get("encoder_text", 0.0),
-        decoder=decoder,
-        encoder_fixed=max(0.0, seconds["encoder"] / samples - encoder_layers * encoder_layer),
-        decoder_fixed=max(0.0, seconds["decoder"] / generated - decoder_layers * decoder),
-        decoder_asks={policy: max(0.0, seconds[f"asking {policy}"] - seconds["decoder"]) / asks for policy in askers},
-    )
+    """`PartCostRuns` on the first `samples` rows of `inputs`, timed alone: costs per row and token are averages,
+    steady long before a whole split (but they move with the machine: `task_benchmark` times them in its own
+    rounds instead)."""
+    runs = PartCostRuns(model, inputs.split_at(samples)[0], askers, encoder_askers)
+    return runs.costs(paired_seconds(runs.functions, len(runs.inputs.batches), repeats, model.device))
 
 
 def paired_seconds(
@@ -451,12 +488,16 @@ def task_benchmark(
 
         return run
 
-    functions = {name: generate(name) for name in settings}
+    asks = Asks.of(model, knobs)
+    askers = {asks.policy: asks.controller} if asks.controller is not None else {}
+    part_runs = PartCostRuns(model, inputs, askers, asks.encoder_controllers)
+    # The part costs are timed in the same rounds as the runs they price, on the same batches: timed apart, they
+    # moved with the machine while the paired clock did not (captions' measured reduction spanned 22-31% on
+    # identical exit layers).
+    functions = {name: generate(name) for name in settings} | part_runs.functions
     seconds = paired_seconds(functions, len(inputs.batches), repeats, model.device, progress)
     runs = {name: TaskRun.concatenate(batches) for name, batches in batch_runs.items()}
-    asks = DecoderAsks.of(model, knobs)
-    askers = {asks.policy: asks.controller} if asks.controller is not None else {}
-    costs, flops = measure_part_costs(model, inputs, repeats, askers=askers), flop_costs(model, inputs)
+    costs, flops = part_runs.costs(seconds), flop_costs(model, inputs)
 
     batch_size = inputs.batches[0]["input_ids"].shape[0]
 
@@ -470,6 +511,7 @@ def task_benchmark(
             batch,
             asks.layers,
             asks.policy,
+            asks.encoder_layers,
         )
 
     def side(name: str) -> dict:
@@ -514,6 +556,8 @@ def task_benchmark(
             "decoder_fixed_per_token": costs.decoder_fixed,
             "decoder_ask_per_token": costs.ask_cost(asks.policy),
             "decoder_layers_asked": list(asks.layers),
+            "encoder_ask_per_sample": {part: costs.encoder_ask_cost(part) for part in asks.encoder_layers},
+            "encoder_layers_asked": {part: list(layers) for part, layers in asks.encoder_layers.items()},
         },
     }
     if speculative is not None:
@@ -618,6 +662,7 @@ __all__ = [
     "checked_device",
     "compiled_full_decoding",
     "forced_exit_benchmark",
+    "PartCostRuns",
     "measure_part_costs",
     "model_benchmark",
     "paired_seconds",

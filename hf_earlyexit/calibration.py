@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .benchmark import measure_part_costs
-from .evaluation import DecoderAsks, TaskInputs, risk_losses, run_task, score, task_inputs
-from .measures import PartCosts, expected_time_reduction
-from .modeling.exit_controllers import make_controller
+from .evaluation import Asks, TaskInputs, risk_losses, run_task, score, task_inputs
+from .measures import PartCosts, encoder_streams, expected_time_reduction
+from .modeling.exit_controllers import SimilarityExit, make_controller
 from .modeling.exit_knobs import ENCODER_PARTS, EXIT_KNOBS
 from .modeling.generation_early_exit import EarlyExitSettings
 from .risk_control import LossKind, check_risk, fixed_sequence_test, samples_needed
@@ -133,7 +133,7 @@ def calibration_grid(
         for threshold in thresholds
         for rule in batch_rules
     ]
-    streams = ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
+    streams = encoder_streams(config)
     per_stream = [[None, *encoder_thresholds]] * len(streams)
     grid = []
     for knobs, thresholds in itertools.product(decoder, itertools.product(*per_stream)):
@@ -164,7 +164,7 @@ def sweep(
         run = run_task(model, processor, inputs, knobs)
         encoder_layers_run = run.encoder_exit_layers[run.encoder_exit_layers > 0]  # 0: a modality the input lacks
         layers = (run.encoder_exit_layers, run.decoder_exit_layers, costs, config.encoder_layers, config.decoder_layers)
-        asks = DecoderAsks.of(model, knobs)
+        asks = Asks.of(model, knobs)
         scores = score(task, run.predictions, inputs.targets, per_sample=per_sample)
         sample_scores = scores.get(f"{task.quality_key}_per_sample")
         losses = (
@@ -175,13 +175,15 @@ def sweep(
         return OperatingPoint(
             settings=knobs,
             quality=scores[task.quality_key],
-            expected_time_reduction=expected_time_reduction(*layers, batch_size, asks.layers, asks.policy),
+            expected_time_reduction=expected_time_reduction(
+                *layers, batch_size, asks.layers, asks.policy, asks.encoder_layers
+            ),
             seconds=run.seconds,
             sample_losses=losses,
             sample_scores=sample_scores,
             predictions=run.predictions,
             shallowest_encoder_exit=int(encoder_layers_run.min()) if encoder_layers_run.numel() else None,
-            per_row_time_reduction=expected_time_reduction(*layers, 1, asks.layers, asks.policy),
+            per_row_time_reduction=expected_time_reduction(*layers, 1, asks.layers, asks.policy, asks.encoder_layers),
         )
 
     full = evaluate({}, None)
@@ -289,8 +291,11 @@ def calibrate(
     """
     levels = risk_levels(risk, tasks, delta)
     grid = calibration_grid(model.config, decoder_thresholds, encoder_thresholds, batch_rules)
-    # What each policy's tests cost, so that asking fewer layers (`max_exit_layer`) counts as time saved.
+    # What each policy's tests cost, so that asking fewer layers (`max_exit_layer`) counts as time saved, and what
+    # each encoder stream's tests cost, so that an encoder exit that saves little counts as a loss.
     askers = {policy: make_controller(policy, values[0]) for policy, values in decoder_thresholds.items() if values}
+    streams = encoder_streams(model.config)
+    encoder_askers = {part: SimilarityExit(encoder_thresholds[0]) for part in streams} if encoder_thresholds else {}
     # The time reductions are batch-aware, so the choice is for this batch size.
     rule = {"tolerance": tolerance} if levels is None else {"risk_level": levels, "delta": delta}
     report: dict[str, Any] = {"split": split, "batch_size": batch_size, **rule, "points": len(grid), "tasks": {}}
@@ -299,7 +304,9 @@ def calibrate(
     progress = progress and is_main_process()
     for name in tasks:
         inputs = task_inputs(name, processor, split, samples, batch_size, model.device)
-        costs = from_main_process(lambda inputs=inputs: measure_part_costs(model, inputs, askers=askers))
+        costs = from_main_process(
+            lambda inputs=inputs: measure_part_costs(model, inputs, askers=askers, encoder_askers=encoder_askers)
+        )
         if levels is not None:
             ordering_inputs, inputs = inputs.split_at(max(1, round(ORDERING_SHARE * inputs.samples)))
             if not inputs.batches:

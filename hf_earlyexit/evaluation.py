@@ -5,8 +5,9 @@ Exit knobs a call does not give fall back on the model's generation defaults (wh
 full model is asked for explicitly: runs start from `NO_EXIT`, every knob at "no exit".
 """
 
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from .metrics import load as load_metric
 from .modeling.exit_controllers import ExitController, FixedLayerExit
 from .modeling.exit_knobs import (
     DRAFT_KNOBS,
+    ENCODER_PARTS,
     NO_EXIT,
     SPECULATIVE_KNOBS,
     drafts_with_exit_knobs,
@@ -30,28 +32,37 @@ from .tasks import Task, get_task
 
 
 @dataclass(frozen=True)
-class DecoderAsks:
-    """Where a lossy run asks its decoder's controller: the `layers` (1-based) after which every token is asked (the
-    exit points from `min_exit_layer` to `max_exit_layer`), its `policy` ("custom" for a controller object) and the
-    `controller`; no layers without decoder exits, or in speculative mode (its rounds are timed as a whole)."""
+class Asks:
+    """Where a lossy run asks its controllers. The decoder's: the `layers` (1-based) after which every token is asked
+    (the exit points from `min_exit_layer` to `max_exit_layer`), its `policy` ("custom" for a controller object) and
+    its `controller`. Each encoder part's with a controller: `encoder_layers` (part -> the layers from
+    `encoder_min_exit_layer` to the last but one) and `encoder_controllers`. None in speculative mode (its rounds are
+    timed as a whole, and the encoder runs in full)."""
 
     policy: str | None = None
     controller: ExitController | None = None
     layers: tuple[int, ...] = ()
+    encoder_layers: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    encoder_controllers: dict[str, ExitController] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, model, knobs: dict[str, Any] | None) -> "DecoderAsks":
+    def of(cls, model, knobs: dict[str, Any] | None) -> "Asks":
         """The asks of a run with `knobs` (on top of "no exit")."""
         values = {**NO_EXIT, **(knobs or {})}
         if values["exit_mode"] == "speculative":
             return cls()
-        settings = EarlyExitSettings.from_knobs(model.config, **values)
+        config = model.config
+        settings = EarlyExitSettings.from_knobs(config, **values)
+        encoder = {part: getattr(settings, part) for part in ENCODER_PARTS if getattr(settings, part) is not None}
+        encoder_layers = tuple(range(settings.encoder_min_exit_layer, config.encoder_layers))
+        asks = cls(encoder_layers=dict.fromkeys(encoder, encoder_layers), encoder_controllers=encoder)
         if settings.decoder is None:
-            return cls()
+            return asks
         custom = values["exit_controller"]
         custom = custom.get("decoder") if isinstance(custom, dict) else custom
-        layers = settings.asked_layers(model.config.exit_points, model.config.decoder_layers)
-        return cls("custom" if custom is not None else values["exit_policy"], settings.decoder, layers)
+        layers = settings.asked_layers(config.exit_points, config.decoder_layers)
+        policy = "custom" if custom is not None else values["exit_policy"]
+        return dataclasses.replace(asks, policy=policy, controller=settings.decoder, layers=layers)
 
 
 def normalize_answer(text: str) -> str:
@@ -364,7 +375,7 @@ def exit_layer_accuracy(
 
 
 __all__ = [
-    "DecoderAsks",
+    "Asks",
     "TaskInputs",
     "TaskRun",
     "caption_images",

@@ -24,6 +24,8 @@ class PartCosts:
         per token.
     decoder_asks: exit policy -> one test of the decoder's controller after a layer (its exit head, if it reads one,
         and its decision) per generated token; measured costs only (FLOPs count layers, as MuE does).
+    encoder_asks: encoder part ("encoder", or "encoder_image" and "encoder_text") -> one test of its controller after
+        a layer per sample; measured costs only.
     """
 
     encoder_image: float
@@ -32,6 +34,7 @@ class PartCosts:
     encoder_fixed: float = 0.0
     decoder_fixed: float = 0.0
     decoder_asks: Mapping[str, float] = field(default_factory=dict)
+    encoder_asks: Mapping[str, float] = field(default_factory=dict)
 
     def ask_cost(self, policy: str | None) -> float:
         """One ask of `policy`'s controller per token; 0 for costs that count no asks (FLOPs), a ValueError for a
@@ -41,6 +44,15 @@ class PartCosts:
         if policy not in self.decoder_asks:
             raise ValueError(f"No measured ask cost for exit policy {policy!r}; measured: {sorted(self.decoder_asks)}.")
         return self.decoder_asks[policy]
+
+    def encoder_ask_cost(self, part: str) -> float:
+        """One test of encoder `part`'s controller per sample; 0 for costs that count no asks, a ValueError for a part
+        measured costs lack."""
+        if not self.encoder_asks:
+            return 0.0
+        if part not in self.encoder_asks:
+            raise ValueError(f"No measured ask cost for encoder part {part!r}; measured: {sorted(self.encoder_asks)}.")
+        return self.encoder_asks[part]
 
     @classmethod
     def from_config(cls, config, image_tokens: int, text_tokens: int, target_tokens: int) -> "PartCosts":
@@ -68,6 +80,11 @@ class PartCosts:
         )
 
 
+def encoder_streams(config) -> tuple[str, ...]:
+    """The encoder parts that exit on their own: each modality stream, or the joint encoder."""
+    return ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
+
+
 def batch_deepest(exit_layers: torch.Tensor, batch_size: int) -> torch.Tensor:
     """Each row's exit layers [N, C] replaced, column by column, by the deepest of its batch (consecutive groups of
     `batch_size` rows); 0 only where no row of the batch has one (no step, no modality). What the rows cost when a
@@ -75,6 +92,12 @@ def batch_deepest(exit_layers: torch.Tensor, batch_size: int) -> torch.Tensor:
     costs, for every row of the batch, a row that already finished included (`generate` runs it along as padding)."""
     deepest = [group.max(dim=0, keepdim=True).values.expand_as(group) for group in exit_layers.split(batch_size)]
     return torch.cat(deepest)
+
+
+def count_asks(asked_layers: Sequence[int], exit_layers: torch.Tensor) -> torch.Tensor:
+    """How many of `asked_layers` each exit layer reached ([N, C] -> [N, C]; exit layer 0, none, reached none)."""
+    asked = torch.tensor(sorted(asked_layers), dtype=exit_layers.dtype, device=exit_layers.device)
+    return (asked <= exit_layers[..., None]).sum(dim=-1)
 
 
 def expected_time_reduction(
@@ -86,6 +109,7 @@ def expected_time_reduction(
     batch_size: int = 1,
     asked_layers: Sequence[int] = (),
     policy: str | None = None,
+    encoder_asked_layers: Mapping[str, Sequence[int]] | None = None,
 ) -> float:
     """1 - cost(exits) / cost(full depth) over N samples: `encoder_exit_layers` [N, 2] (image, text; a joint encoder
     gives its depth in both), `decoder_exit_layers` [N, T] with 0 where no token was generated. With `batch_size`
@@ -93,7 +117,9 @@ def expected_time_reduction(
     decoding step costing what its deepest row costs, for every row of the batch (`batch_deepest`; the full depth
     is charged on the same steps); 1 gives the per-row figure of the papers.
     `asked_layers`: the decoder layers after which `policy`'s controller was asked (`ask_layers`); a token pays
-    one ask (`PartCosts.ask_cost`) for each of them up to its exit layer, or its step's deepest when batch-aware."""
+    one ask (`PartCosts.ask_cost`) for each of them up to its exit layer, or its step's deepest when batch-aware.
+    `encoder_asked_layers`: likewise, encoder part -> the layers after which its controller was asked; a sample pays
+    the part's test (`PartCosts.encoder_ask_cost`) for each of them up to its exit layer in that part."""
     if encoder_exit_layers.ndim != 2 or encoder_exit_layers.shape[1] != 2 or decoder_exit_layers.ndim != 2:
         raise ValueError("Expected encoder exit layers [N, 2] and decoder exit layers [N, T].")
     if batch_size < 1:
@@ -106,8 +132,13 @@ def expected_time_reduction(
     samples = encoder_exit_layers.shape[0]
     tokens = int((decoder_exit_layers > 0).sum())
     image, text = encoder_exit_layers.double().sum(dim=0).tolist()
-    asked = torch.tensor(sorted(asked_layers), dtype=decoder_exit_layers.dtype, device=decoder_exit_layers.device)
-    asks = int((asked <= decoder_exit_layers[..., None]).sum())  # a token of exit layer 0 (none) asked nothing
+    encoder_asked_layers = encoder_asked_layers or {}
+    asks = int(count_asks(asked_layers, decoder_exit_layers).sum())
+    encoder_asks = sum(
+        costs.encoder_ask_cost(part)
+        * int(count_asks(layers, encoder_exit_layers[:, int(part == "encoder_text")]).sum())
+        for part, layers in encoder_asked_layers.items()
+    )
     run = (
         costs.encoder_image * image
         + costs.encoder_text * text
@@ -115,6 +146,7 @@ def expected_time_reduction(
         + costs.encoder_fixed * samples
         + costs.decoder_fixed * tokens
         + costs.ask_cost(policy) * asks
+        + encoder_asks
     )
     full = (
         (costs.encoder_image + costs.encoder_text) * encoder_layers * samples
@@ -147,4 +179,4 @@ def parameter_speedup(model, decoder_exit_layers: torch.Tensor) -> float:
     return float((cumulative[-1] + shared) / used.mean())
 
 
-__all__ = ["PartCosts", "batch_deepest", "expected_time_reduction", "parameter_speedup"]
+__all__ = ["PartCosts", "batch_deepest", "encoder_streams", "expected_time_reduction", "parameter_speedup"]

@@ -84,3 +84,43 @@ def test_checked_device_refuses_a_malformed_or_absent_device():
 def test_model_benchmark_needs_an_exit_setting():
     with pytest.raises(ValueError, match="No exit setting"):
         model_benchmark(tiny_model(), None, "vqa", {"kv_strategy": "copy"})
+
+
+def test_the_bench_times_the_part_costs_in_the_rounds_it_prices(monkeypatch):
+    from hf_earlyexit.evaluation import task_inputs
+    from hf_earlyexit.loading import EMBEDDED_MODEL_DIR, load_model_and_processor
+
+    model, processor = load_model_and_processor(EMBEDDED_MODEL_DIR)
+    inputs = task_inputs("vqa", processor, "test", 6, 3)
+    rounds = []
+    # Seconds over the batches as if measured: the encoder 10 s, 4 s with its image stream stopped after layer 1
+    # and 7 s with its text stream, 11 s asking the text stream after every layer; the decoder 20 s at full depth,
+    # 8 s after layer 1, 23 s asking after every exit point.
+    timed = {"encoder": 10.0, "encoder_image": 4.0, "encoder_text": 7.0, "decoder": 20.0, "decoder_shallow": 8.0}
+    timed |= {"encoder_text asking": 11.0, "decoder asking confidence": 23.0, "full": 3.0, "early_exit": 2.0}
+
+    def paired(functions, batches, repeats, device, progress=None):
+        rounds.append((set(functions), batches))
+        for index in range(batches):
+            for function in functions.values():
+                function(index)
+        return {name: timed[name.removeprefix("part cost: ")] for name in functions}
+
+    monkeypatch.setattr(benchmark, "paired_seconds", paired)
+    knobs = {"exit_threshold": 0.8, "exit_policy": "confidence", "encoder_text_exit_threshold": 0.9}
+    knobs["encoder_min_exit_layer"] = 2
+    report = benchmark.task_benchmark(model, processor, inputs, knobs, repeats=1, round_shares=False)
+    parts = {"encoder", "encoder_image", "encoder_text", "encoder_text asking", "decoder", "decoder_shallow"}
+    parts.add("decoder asking confidence")
+    assert rounds == [({"full", "early_exit"} | {f"part cost: {part}" for part in parts}, 2)]  # one set of rounds
+    config, tokens = model.config, inputs.task.max_new_tokens
+    costs = report["per_part_seconds"]
+    assert costs["encoder_image_layer_per_sample"] == pytest.approx(6 / (config.encoder_layers - 1) / 6)
+    assert costs["encoder_text_layer_per_sample"] == pytest.approx(3 / (config.encoder_layers - 1) / 6)
+    decoder_layer = 12 / (config.decoder_layers - 1) / (6 * tokens)
+    assert costs["decoder_layer_per_token"] == pytest.approx(decoder_layer)
+    assert costs["decoder_fixed_per_token"] == pytest.approx(20 / (6 * tokens) - config.decoder_layers * decoder_layer)
+    assert costs["decoder_ask_per_token"] == pytest.approx(3 / (6 * tokens * len(config.exit_points)))
+    assert costs["encoder_ask_per_sample"] == {"encoder_text": pytest.approx(1 / (config.encoder_layers - 1) / 6)}
+    assert costs["encoder_layers_asked"] == {"encoder_text": list(range(2, config.encoder_layers))}
+    assert report["wall_clock_time_reduction"] == pytest.approx(1 / 3, abs=1e-4)

@@ -55,6 +55,33 @@ def test_a_token_pays_an_ask_at_each_asked_layer_up_to_its_exit():
         expected_time_reduction(encoder, decoder, costs, 4, 4, 1, asked, "similarity")
 
 
+def test_a_sample_pays_each_asked_streams_test_up_to_its_exit():
+    costs = PartCosts(
+        encoder_image=1, encoder_text=1, decoder=0, encoder_asks={"encoder_image": 0.5, "encoder_text": 2}
+    )
+    encoder = torch.tensor([[2, 4], [4, 3]])  # image, text exit layers of 2 samples, of 4
+    decoder = torch.zeros(2, 1, dtype=torch.long)
+    # Only the text stream asked, after layers 2 and 3: 2 asks for sample 0 (exit 4), 2 for sample 1 (exit 3).
+    # run: layers 6 + 7 = 13, asks 2 * 4 = 8; full: 2 streams * 4 layers * 2 samples = 16.
+    text = {"encoder_text": (2, 3)}
+    assert expected_time_reduction(encoder, decoder, costs, 4, 4, encoder_asked_layers=text) == pytest.approx(
+        1 - 21 / 16
+    )
+    # Both streams asked after layer 1 to 3: image asks 2 + 3, text 3 + 3.
+    both = {"encoder_image": (1, 2, 3), "encoder_text": (1, 2, 3)}
+    run = 13 + 0.5 * 5 + 2 * 6
+    assert expected_time_reduction(encoder, decoder, costs, 4, 4, encoder_asked_layers=both) == pytest.approx(
+        1 - run / 16
+    )
+    # Layer counts alone (FLOPs) see no ask; measured costs without a stream's test are an error.
+    layers_only = PartCosts(encoder_image=1, encoder_text=1, decoder=0)
+    assert expected_time_reduction(encoder, decoder, layers_only, 4, 4, encoder_asked_layers=both) == pytest.approx(
+        1 - 13 / 16
+    )
+    with pytest.raises(ValueError, match="encoder part 'encoder'"):
+        expected_time_reduction(encoder, decoder, costs, 4, 4, encoder_asked_layers={"encoder": (1,)})
+
+
 def test_costs_from_config_count_the_streams_of_a_decomposed_encoder():
     joint = PartCosts.from_config(tiny_config(), image_tokens=16, text_tokens=8, target_tokens=10)
     decomposed = PartCosts.from_config(
