@@ -23,6 +23,7 @@ what runs at any depth (the image stem, embeddings, output projection and the `g
 loss, interleaved, to show what training the exits costs against plain fine-tuning.
 """
 
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -31,7 +32,14 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .evaluation import Asks, TaskInputs, TaskRun, flop_costs, run_batch, run_knobs, score, task_inputs
-from .measures import PartCosts, encoder_streams, expected_time_reduction, parameter_speedup
+from .measures import (
+    PartCosts,
+    batch_deepest,
+    encoder_streams,
+    expected_time_reduction,
+    full_depth_cost,
+    parameter_speedup,
+)
 from .modeling.configuration_ofa import OFAEarlyExitConfig
 from .modeling.exit_controllers import ExitController, ExitState, FixedLayerExit, checked_decision
 from .modeling.exit_knobs import KV_STRATEGIES, NO_EXIT, ROW_EXIT_PLANS, SPECULATIVE_KNOBS
@@ -316,9 +324,11 @@ class AskOnly(ExitController):
 
 
 class PartCostRuns:
-    """The runs whose seconds give `PartCosts`: each part at full depth and forced to exit after its first layer
-    (fixed-length decoding), per batch of `inputs`, so that they can join the rounds of `paired_seconds` beside the
-    runs they price (`task_benchmark`) or be timed alone (`measure_part_costs`).
+    """The runs whose seconds give `PartCosts`: each part at full depth and forced to exit after its first layer, per
+    batch of `inputs`, so that they can join the rounds of `paired_seconds` beside the runs they price
+    (`task_benchmark`) or be timed alone (`measure_part_costs`). Decoding has a fixed length per batch, the full
+    model's own greedy length for it (`lengths`): a step's cost grows with the tokens before it, so decoding to
+    `max_new_tokens` would price the steps of a short output as those of a long one.
 
     functions: name -> run on batch `index`: the encoder, each stream after its first layer, the decoder at full
         depth and after its first layer, and, asking a controller after every layer or exit point without ever
@@ -340,17 +350,23 @@ class PartCostRuns:
         first_layer = FixedLayerExit(1)
         with torch.no_grad():
             encoder_outputs = [encoder(**batch) for batch in inputs.batches]
-        tokens = inputs.task.max_new_tokens
+
+        def generate(index: int, length: int | None = None, **knobs):
+            lengths = {"min_new_tokens": length} if length else {}
+            return model.generate(
+                encoder_outputs=encoder_outputs[index], attention_mask=inputs.batches[index]["attention_mask"],
+                **{**NO_EXIT, **knobs}, max_new_tokens=length or inputs.task.max_new_tokens, **lengths,
+                do_sample=False, num_beams=1,
+            )  # fmt: skip
+
+        self.lengths = [generate(index).shape[1] - 1 for index in range(len(inputs.batches))]  # after the start token
 
         def encode(controllers: dict[str, ExitController]):
             settings = EarlyExitSettings(**controllers)
             return torch.no_grad()(lambda index: encoder(**inputs.batches[index], exit_settings=settings))
 
         def decode(knobs: dict):
-            return lambda index: model.generate(
-                encoder_outputs=encoder_outputs[index], attention_mask=inputs.batches[index]["attention_mask"],
-                **{**NO_EXIT, **knobs}, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, num_beams=1,
-            )  # fmt: skip
+            return lambda index: generate(index, self.lengths[index], **knobs)
 
         functions = {"encoder": encode({}), **{part: encode({part: first_layer}) for part in self.parts}}
         functions |= {f"{part} asking": encode({part: AskOnly(c)}) for part, c in self.encoder_askers.items()}
@@ -368,7 +384,7 @@ class PartCostRuns:
         seconds = {name.removeprefix("part cost: "): value for name, value in seconds.items()}
         config, parts = self.config, self.parts
         samples = self.inputs.samples
-        generated = samples * self.inputs.task.max_new_tokens
+        generated = sum(len(batch["input_ids"]) * n for batch, n in zip(self.inputs.batches, self.lengths, strict=True))
         asks = generated * len(config.exit_points)
         encoder_layers, decoder_layers = config.encoder_layers, config.decoder_layers
         per_layer = {p: max(0.0, seconds["encoder"] - seconds[p]) / (encoder_layers - 1) / samples for p in parts}
@@ -386,6 +402,15 @@ class PartCostRuns:
                 for part in self.encoder_askers
             },
         )
+
+
+def with_call_cost(costs: PartCosts, full_run: TaskRun, full_seconds: float, config, batch_size: int) -> PartCosts:
+    """`costs` with `call_fixed`: what the full model's `full_seconds` over `full_run` (in batches of `batch_size`)
+    took beyond what the parts explain, per sample (none when the parts explain more)."""
+    samples = full_run.encoder_exit_layers.shape[0]
+    tokens = int((batch_deepest(full_run.decoder_exit_layers, batch_size) > 0).sum())  # every row of every step
+    explained = full_depth_cost(costs, samples, tokens, config.encoder_layers, config.decoder_layers)
+    return dataclasses.replace(costs, call_fixed=max(0.0, full_seconds - explained) / samples)
 
 
 def measure_part_costs(
@@ -497,9 +522,11 @@ def task_benchmark(
     functions = {name: generate(name) for name in settings} | part_runs.functions
     seconds = paired_seconds(functions, len(inputs.batches), repeats, model.device, progress)
     runs = {name: TaskRun.concatenate(batches) for name, batches in batch_runs.items()}
-    costs, flops = part_runs.costs(seconds), flop_costs(model, inputs)
-
     batch_size = inputs.batches[0]["input_ids"].shape[0]
+    costs, flops = (
+        with_call_cost(part_runs.costs(seconds), runs["full"], seconds["full"], config, batch_size),
+        flop_costs(model, inputs),
+    )
 
     def reduction(run, part_costs: PartCosts, batch: int = batch_size) -> float:
         return expected_time_reduction(
@@ -552,6 +579,7 @@ def task_benchmark(
             "encoder_image_layer_per_sample": costs.encoder_image,
             "encoder_text_layer_per_sample": costs.encoder_text,
             "encoder_fixed_per_sample": costs.encoder_fixed,
+            "call_fixed_per_sample": costs.call_fixed,
             "decoder_layer_per_token": costs.decoder,
             "decoder_fixed_per_token": costs.decoder_fixed,
             "decoder_ask_per_token": costs.ask_cost(asks.policy),

@@ -26,6 +26,9 @@ class PartCosts:
         and its decision) per generated token; measured costs only (FLOPs count layers, as MuE does).
     encoder_asks: encoder part ("encoder", or "encoder_image" and "encoder_text") -> one test of its controller after
         a layer per sample; measured costs only.
+    call_fixed: the rest of a `generate` call per sample, which no part explains and no exit saves (its set-up, the
+        encoder's outputs handed to decoding): measured as the full model's seconds less what the parts explain
+        (`full_depth_cost`), so that the reduction is a share of the time a user waits.
     """
 
     encoder_image: float
@@ -35,6 +38,7 @@ class PartCosts:
     decoder_fixed: float = 0.0
     decoder_asks: Mapping[str, float] = field(default_factory=dict)
     encoder_asks: Mapping[str, float] = field(default_factory=dict)
+    call_fixed: float = 0.0
 
     def ask_cost(self, policy: str | None) -> float:
         """One ask of `policy`'s controller per token; 0 for costs that count no asks (FLOPs), a ValueError for a
@@ -143,18 +147,23 @@ def expected_time_reduction(
         costs.encoder_image * image
         + costs.encoder_text * text
         + costs.decoder * float(decoder_exit_layers.double().sum())
-        + costs.encoder_fixed * samples
+        + (costs.encoder_fixed + costs.call_fixed) * samples
         + costs.decoder_fixed * tokens
         + costs.ask_cost(policy) * asks
         + encoder_asks
     )
-    full = (
+    full = full_depth_cost(costs, samples, tokens, encoder_layers, decoder_layers)
+    return 1.0 - run / full
+
+
+def full_depth_cost(costs: PartCosts, samples: int, tokens: int, encoder_layers: int, decoder_layers: int) -> float:
+    """What `samples` samples and `tokens` decoded row-steps cost at full depth (`call_fixed` included)."""
+    return (
         (costs.encoder_image + costs.encoder_text) * encoder_layers * samples
         + costs.decoder * decoder_layers * tokens
-        + costs.encoder_fixed * samples
+        + (costs.encoder_fixed + costs.call_fixed) * samples
         + costs.decoder_fixed * tokens
     )
-    return 1.0 - run / full
 
 
 def parameter_speedup(model, decoder_exit_layers: torch.Tensor) -> float:
@@ -179,4 +188,11 @@ def parameter_speedup(model, decoder_exit_layers: torch.Tensor) -> float:
     return float((cumulative[-1] + shared) / used.mean())
 
 
-__all__ = ["PartCosts", "batch_deepest", "encoder_streams", "expected_time_reduction", "parameter_speedup"]
+__all__ = [
+    "PartCosts",
+    "batch_deepest",
+    "encoder_streams",
+    "expected_time_reduction",
+    "full_depth_cost",
+    "parameter_speedup",
+]

@@ -89,9 +89,10 @@ def test_model_benchmark_needs_an_exit_setting():
 def test_the_bench_times_the_part_costs_in_the_rounds_it_prices(monkeypatch):
     from hf_earlyexit.evaluation import task_inputs
     from hf_earlyexit.loading import EMBEDDED_MODEL_DIR, load_model_and_processor
+    from hf_earlyexit.modeling.exit_knobs import NO_EXIT
 
     model, processor = load_model_and_processor(EMBEDDED_MODEL_DIR)
-    inputs = task_inputs("vqa", processor, "test", 6, 3)
+    inputs = task_inputs("caption", processor, "test", 6, 3)
     rounds = []
     # Seconds over the batches as if measured: the encoder 10 s, 4 s with its image stream stopped after layer 1
     # and 7 s with its text stream, 11 s asking the text stream after every layer; the decoder 20 s at full depth,
@@ -113,14 +114,36 @@ def test_the_bench_times_the_part_costs_in_the_rounds_it_prices(monkeypatch):
     parts = {"encoder", "encoder_image", "encoder_text", "encoder_text asking", "decoder", "decoder_shallow"}
     parts.add("decoder asking confidence")
     assert rounds == [({"full", "early_exit"} | {f"part cost: {part}" for part in parts}, 2)]  # one set of rounds
-    config, tokens = model.config, inputs.task.max_new_tokens
+    config, decoding = model.config, {**NO_EXIT, "max_new_tokens": inputs.task.max_new_tokens}
+    # The decoder is priced at the full model's own lengths, not at `max_new_tokens` (captions end sooner).
+    tokens = sum(3 * (model.generate(**batch, **decoding).shape[1] - 1) for batch in inputs.batches)
+    assert tokens < 6 * inputs.task.max_new_tokens
     costs = report["per_part_seconds"]
     assert costs["encoder_image_layer_per_sample"] == pytest.approx(6 / (config.encoder_layers - 1) / 6)
     assert costs["encoder_text_layer_per_sample"] == pytest.approx(3 / (config.encoder_layers - 1) / 6)
-    decoder_layer = 12 / (config.decoder_layers - 1) / (6 * tokens)
+    decoder_layer = 12 / (config.decoder_layers - 1) / tokens
     assert costs["decoder_layer_per_token"] == pytest.approx(decoder_layer)
-    assert costs["decoder_fixed_per_token"] == pytest.approx(20 / (6 * tokens) - config.decoder_layers * decoder_layer)
-    assert costs["decoder_ask_per_token"] == pytest.approx(3 / (6 * tokens * len(config.exit_points)))
+    assert costs["decoder_fixed_per_token"] == pytest.approx(20 / tokens - config.decoder_layers * decoder_layer)
+    assert costs["decoder_ask_per_token"] == pytest.approx(3 / (tokens * len(config.exit_points)))
     assert costs["encoder_ask_per_sample"] == {"encoder_text": pytest.approx(1 / (config.encoder_layers - 1) / 6)}
     assert costs["encoder_layers_asked"] == {"encoder_text": list(range(2, config.encoder_layers))}
     assert report["wall_clock_time_reduction"] == pytest.approx(1 / 3, abs=1e-4)
+
+
+def test_the_call_cost_is_what_the_full_models_seconds_hold_beyond_its_parts():
+    from hf_earlyexit.evaluation import TaskRun
+    from hf_earlyexit.measures import PartCosts, expected_time_reduction
+
+    config = tiny_model(encoder_layers=2, decoder_layers=2).config
+    costs = PartCosts(encoder_image=1, encoder_text=0, decoder=1, encoder_fixed=1, decoder_fixed=1)
+    # 2 samples in one batch of 2; rows of 3 and 1 tokens: the full model ran 3 steps for both rows.
+    decoder = torch.tensor([[2, 2, 2], [2, 0, 0]])
+    full = TaskRun(["a", "b"], torch.full((2, 2), 2), decoder, seconds=0.0)
+    # The parts explain 2 * (2 + 1) + 6 * (2 + 1) = 24 s; the full model took 30 s: 3 s per sample more.
+    with_call = benchmark.with_call_cost(costs, full, 30.0, config, batch_size=2)
+    assert with_call.call_fixed == pytest.approx(3.0)
+    assert benchmark.with_call_cost(costs, full, 20.0, config, batch_size=2).call_fixed == 0
+    # A run that exits after layer 1 everywhere saves 2 of the encoder's and 6 of the decoder's 30 s.
+    early = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    layers = (torch.ones(2, 2, dtype=torch.long), early, with_call, 2, 2, 2)
+    assert expected_time_reduction(*layers) == pytest.approx(8 / 30)
