@@ -687,10 +687,10 @@ def summary(seconds: dict[str, float], layer_ratio: float, batch: int, unit: str
 
 
 __all__ = [
+    "PartCostRuns",
     "checked_device",
     "compiled_full_decoding",
     "forced_exit_benchmark",
-    "PartCostRuns",
     "measure_part_costs",
     "model_benchmark",
     "paired_seconds",
