@@ -523,10 +523,8 @@ def task_benchmark(
     seconds = paired_seconds(functions, len(inputs.batches), repeats, model.device, progress)
     runs = {name: TaskRun.concatenate(batches) for name, batches in batch_runs.items()}
     batch_size = inputs.batches[0]["input_ids"].shape[0]
-    costs, flops = (
-        with_call_cost(part_runs.costs(seconds), runs["full"], seconds["full"], config, batch_size),
-        flop_costs(model, inputs),
-    )
+    costs = with_call_cost(part_runs.costs(seconds), runs["full"], seconds["full"], config, batch_size)
+    flops = flop_costs(model, inputs)
 
     def reduction(run, part_costs: PartCosts, batch: int = batch_size) -> float:
         return expected_time_reduction(

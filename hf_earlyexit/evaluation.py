@@ -53,7 +53,8 @@ class Asks:
             return cls()
         config = model.config
         settings = EarlyExitSettings.from_knobs(config, **values)
-        encoder = {part: getattr(settings, part) for part in ENCODER_PARTS if getattr(settings, part) is not None}
+        encoder = {part: getattr(settings, part) for part in ENCODER_PARTS}
+        encoder = {part: controller for part, controller in encoder.items() if controller is not None}
         encoder_layers = tuple(range(settings.encoder_min_exit_layer, config.encoder_layers))
         asks = cls(encoder_layers=dict.fromkeys(encoder, encoder_layers), encoder_controllers=encoder)
         if settings.decoder is None:

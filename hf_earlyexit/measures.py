@@ -13,6 +13,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+def measured_ask(asks: Mapping[str, float], key: str, what: str) -> float:
+    """`asks[key]`; 0 when `asks` is empty (costs that count no asks), a ValueError when only `key` is missing."""
+    if not asks:
+        return 0.0
+    if key not in asks:
+        raise ValueError(f"No measured ask cost for {what} {key!r}; measured: {sorted(asks)}.")
+    return asks[key]
+
+
 @dataclass(frozen=True)
 class PartCosts:
     """Cost of one layer of each part (any unit: FLOPs or seconds), and what runs at any depth.
@@ -43,20 +52,12 @@ class PartCosts:
     def ask_cost(self, policy: str | None) -> float:
         """One ask of `policy`'s controller per token; 0 for costs that count no asks (FLOPs), a ValueError for a
         policy measured costs lack."""
-        if not self.decoder_asks or policy is None:
-            return 0.0
-        if policy not in self.decoder_asks:
-            raise ValueError(f"No measured ask cost for exit policy {policy!r}; measured: {sorted(self.decoder_asks)}.")
-        return self.decoder_asks[policy]
+        return 0.0 if policy is None else measured_ask(self.decoder_asks, policy, "exit policy")
 
     def encoder_ask_cost(self, part: str) -> float:
         """One test of encoder `part`'s controller per sample; 0 for costs that count no asks, a ValueError for a part
         measured costs lack."""
-        if not self.encoder_asks:
-            return 0.0
-        if part not in self.encoder_asks:
-            raise ValueError(f"No measured ask cost for encoder part {part!r}; measured: {sorted(self.encoder_asks)}.")
-        return self.encoder_asks[part]
+        return measured_ask(self.encoder_asks, part, "encoder part")
 
     @classmethod
     def from_config(cls, config, image_tokens: int, text_tokens: int, target_tokens: int) -> "PartCosts":
