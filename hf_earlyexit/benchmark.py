@@ -324,16 +324,16 @@ class AskOnly(ExitController):
 
 
 class PartCostRuns:
-    """The runs whose seconds give `PartCosts`: each part at full depth and forced to exit after its first layer, per
-    batch of `inputs`, so that they can join the rounds of `paired_seconds` beside the runs they price
+    """The runs whose seconds give `PartCosts`: each part at full depth and forced to exit early, per batch of
+    `inputs`, so that they can join the rounds of `paired_seconds` beside the runs they price
     (`task_benchmark`) or be timed alone (`measure_part_costs`). Decoding has a fixed length per batch, the full
     model's own greedy length for it (`lengths`): a step's cost grows with the tokens before it, so decoding to
     `max_new_tokens` would price the steps of a short output as those of a long one.
 
     functions: name -> run on batch `index`: the encoder, each stream after its first layer, the decoder at full
-        depth and after its first layer, and, asking a controller after every layer or exit point without ever
-        stopping (`AskOnly`): the decoder for each policy -> controller of `askers`, the encoder for each part ->
-        controller of `encoder_askers`.
+        depth and forced to stop every row at its first and at its last exit point (`exit_depths`), and, asking a
+        controller after every layer or exit point without ever stopping (`AskOnly`): the decoder for each policy ->
+        controller of `askers`, the encoder for each part -> controller of `encoder_askers`.
     """
 
     def __init__(
@@ -370,7 +370,15 @@ class PartCostRuns:
 
         functions = {"encoder": encode({}), **{part: encode({part: first_layer}) for part in self.parts}}
         functions |= {f"{part} asking": encode({part: AskOnly(c)}) for part, c in self.encoder_askers.items()}
-        functions |= {"decoder": decode({}), "decoder_shallow": decode({"exit_controller": first_layer})}
+        # Decoding forced to exit at the first and at the last exit point, asked there only: both pay the exit path
+        # (its rows, one test, the stop), so their difference is layers alone; the full model pays none of it.
+        self.exit_depths = shallow, deep = config.exit_points[0], config.exit_points[-1]
+        forced = {"decoder_shallow": shallow} | ({"decoder_deep": deep} if deep > shallow else {})
+        functions |= {"decoder": decode({})}
+        functions |= {
+            name: decode({"exit_controller": FixedLayerExit(layer), "min_exit_layer": layer})
+            for name, layer in forced.items()
+        }
         askers = self.askers.items()
         functions |= {f"decoder asking {policy}": decode({"exit_controller": AskOnly(c)}) for policy, c in askers}
         self.functions = {f"part cost: {name}": function for name, function in functions.items()}
@@ -378,9 +386,9 @@ class PartCostRuns:
     def costs(self, seconds: Mapping[str, float]) -> PartCosts:
         """Seconds per sample of one layer of each encoder stream (or of the joint encoder) and of the image stem +
         embeddings, and of one test of each encoder asker's controller after a layer; seconds per generated token of
-        one decoder layer, of the rest of a decoding step and of one test of each asker's controller after a layer;
-        from `seconds` (name -> seconds over every batch, as `paired_seconds` gives, for at least the names of
-        `functions`)."""
+        one decoder layer, of the rest of a decoding step, of the exit path of a step with exits and of one test of
+        each asker's controller after a layer; from `seconds` (name -> seconds over every batch, as
+        `paired_seconds` gives, for at least the names of `functions`)."""
         seconds = {name.removeprefix("part cost: "): value for name, value in seconds.items()}
         config, parts = self.config, self.parts
         samples = self.inputs.samples
@@ -388,14 +396,20 @@ class PartCostRuns:
         asks = generated * len(config.exit_points)
         encoder_layers, decoder_layers = config.encoder_layers, config.decoder_layers
         per_layer = {p: max(0.0, seconds["encoder"] - seconds[p]) / (encoder_layers - 1) / samples for p in parts}
-        decoder = max(0.0, seconds["decoder"] - seconds["decoder_shallow"]) / (decoder_layers - 1) / generated
+        shallow, deep = self.exit_depths
+        if deep > shallow:
+            decoder = max(0.0, seconds["decoder_deep"] - seconds["decoder_shallow"]) / (deep - shallow) / generated
+        else:  # one exit point: the layers above it against the full model, exit path included
+            decoder = max(0.0, seconds["decoder"] - seconds["decoder_shallow"]) / (decoder_layers - shallow) / generated
+        decoder_fixed = max(0.0, seconds["decoder"] / generated - decoder_layers * decoder)
         encoder_layer = sum(per_layer.values())
         return PartCosts(
             encoder_image=per_layer[parts[0]],
             encoder_text=per_layer.get("encoder_text", 0.0),
             decoder=decoder,
             encoder_fixed=max(0.0, seconds["encoder"] / samples - encoder_layers * encoder_layer),
-            decoder_fixed=max(0.0, seconds["decoder"] / generated - decoder_layers * decoder),
+            decoder_fixed=decoder_fixed,
+            decoder_exit_path=max(0.0, seconds["decoder_shallow"] / generated - shallow * decoder - decoder_fixed),
             decoder_asks={p: max(0.0, seconds[f"decoder asking {p}"] - seconds["decoder"]) / asks for p in self.askers},
             encoder_asks={
                 part: max(0.0, seconds[f"{part} asking"] - seconds["encoder"]) / (encoder_layers - 1) / samples
@@ -581,6 +595,7 @@ def task_benchmark(
             "decoder_layer_per_token": costs.decoder,
             "decoder_fixed_per_token": costs.decoder_fixed,
             "decoder_ask_per_token": costs.ask_cost(asks.policy),
+            "decoder_exit_path_per_token": costs.decoder_exit_path,
             "decoder_layers_asked": list(asks.layers),
             "encoder_ask_per_sample": {part: costs.encoder_ask_cost(part) for part in asks.encoder_layers},
             "encoder_layers_asked": {part: list(layers) for part, layers in asks.encoder_layers.items()},

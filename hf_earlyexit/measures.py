@@ -35,6 +35,10 @@ class PartCosts:
         and its decision) per generated token; measured costs only (FLOPs count layers, as MuE does).
     encoder_asks: encoder part ("encoder", or "encoder_image" and "encoder_text") -> one test of its controller after
         a layer per sample; measured costs only.
+    decoder_exit_path: what a decoding step with a decoder controller costs per token beyond its layers and the
+        controller's tests, and the full model's step does not (setting up the row exits, stopping rows, picking
+        each row's state): decoding forced to stop every row at the first exit point, less that layer and
+        `decoder_fixed`; measured costs only.
     call_fixed: the rest of a `generate` call per sample, which no part explains and no exit saves (its set-up, the
         encoder's outputs handed to decoding): measured as the full model's seconds less what the parts explain
         (`full_depth_cost`), so that the reduction is a share of the time a user waits.
@@ -47,6 +51,7 @@ class PartCosts:
     decoder_fixed: float = 0.0
     decoder_asks: Mapping[str, float] = field(default_factory=dict)
     encoder_asks: Mapping[str, float] = field(default_factory=dict)
+    decoder_exit_path: float = 0.0
     call_fixed: float = 0.0
 
     def ask_cost(self, policy: str | None) -> float:
@@ -122,7 +127,8 @@ def expected_time_reduction(
     decoding step costing what its deepest row costs, for every row of the batch (`batch_deepest`; the full depth
     is charged on the same steps); 1 gives the per-row figure of the papers.
     `asked_layers`: the decoder layers after which `policy`'s controller was asked (`ask_layers`); a token pays
-    one ask (`PartCosts.ask_cost`) for each of them up to its exit layer, or its step's deepest when batch-aware.
+    one ask (`PartCosts.ask_cost`) for each of them up to its exit layer, or its step's deepest when batch-aware,
+    and, with a `policy`, the exit path (`PartCosts.decoder_exit_path`).
     `encoder_asked_layers`: likewise, encoder part -> the layers after which its controller was asked; a sample pays
     the part's test (`PartCosts.encoder_ask_cost`) for each of them up to its exit layer in that part."""
     if encoder_exit_layers.ndim != 2 or encoder_exit_layers.shape[1] != 2 or decoder_exit_layers.ndim != 2:
@@ -151,6 +157,7 @@ def expected_time_reduction(
         + (costs.encoder_fixed + costs.call_fixed) * samples
         + costs.decoder_fixed * tokens
         + costs.ask_cost(policy) * asks
+        + (costs.decoder_exit_path * tokens if policy is not None else 0.0)
         + encoder_asks
     )
     full = full_depth_cost(costs, samples, tokens, encoder_layers, decoder_layers)

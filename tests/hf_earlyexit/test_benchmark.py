@@ -96,8 +96,9 @@ def test_the_bench_times_the_part_costs_in_the_rounds_it_prices(monkeypatch):
     rounds = []
     # Seconds over the batches as if measured: the encoder 10 s, 4 s with its image stream stopped after layer 1
     # and 7 s with its text stream, 11 s asking the text stream after every layer; the decoder 20 s at full depth,
-    # 8 s after layer 1, 23 s asking after every exit point.
+    # 8 s and 18 s forced to stop after its first and last exit point (layers 1 and 5), 23 s asking after every one.
     timed = {"encoder": 10.0, "encoder_image": 4.0, "encoder_text": 7.0, "decoder": 20.0, "decoder_shallow": 8.0}
+    timed["decoder_deep"] = 18.0
     timed |= {"encoder_text asking": 11.0, "decoder asking confidence": 23.0, "full": 3.0, "early_exit": 2.0}
 
     def paired(functions, batches, repeats, device, progress=None):
@@ -112,7 +113,7 @@ def test_the_bench_times_the_part_costs_in_the_rounds_it_prices(monkeypatch):
     knobs["encoder_min_exit_layer"] = 2
     report = benchmark.task_benchmark(model, processor, inputs, knobs, repeats=1, round_shares=False)
     parts = {"encoder", "encoder_image", "encoder_text", "encoder_text asking", "decoder", "decoder_shallow"}
-    parts.add("decoder asking confidence")
+    parts |= {"decoder_deep", "decoder asking confidence"}
     assert rounds == [({"full", "early_exit"} | {f"part cost: {part}" for part in parts}, 2)]  # one set of rounds
     config, decoding = model.config, {**NO_EXIT, "max_new_tokens": inputs.task.max_new_tokens}
     # The decoder is priced at the full model's own lengths, not at `max_new_tokens` (captions end sooner).
@@ -121,9 +122,13 @@ def test_the_bench_times_the_part_costs_in_the_rounds_it_prices(monkeypatch):
     costs = report["per_part_seconds"]
     assert costs["encoder_image_layer_per_sample"] == pytest.approx(6 / (config.encoder_layers - 1) / 6)
     assert costs["encoder_text_layer_per_sample"] == pytest.approx(3 / (config.encoder_layers - 1) / 6)
-    decoder_layer = 12 / (config.decoder_layers - 1) / tokens
-    assert costs["decoder_layer_per_token"] == pytest.approx(decoder_layer)
-    assert costs["decoder_fixed_per_token"] == pytest.approx(20 / tokens - config.decoder_layers * decoder_layer)
+    # A layer is priced between the two forced exits, which both pay the exit path: 10 s over layers 2 to 5. The
+    # full model's step is the rest of its 20 s (5 s); the exit path, what the first exit's 8 s hold beyond its
+    # layer and that rest (0.5 s).
+    assert config.exit_points[0] == 1 and config.exit_points[-1] == config.decoder_layers - 1 == 5
+    assert costs["decoder_layer_per_token"] == pytest.approx(2.5 / tokens)
+    assert costs["decoder_fixed_per_token"] == pytest.approx(5 / tokens)
+    assert costs["decoder_exit_path_per_token"] == pytest.approx(0.5 / tokens)
     assert costs["decoder_ask_per_token"] == pytest.approx(3 / (tokens * len(config.exit_points)))
     assert costs["encoder_ask_per_sample"] == {"encoder_text": pytest.approx(1 / (config.encoder_layers - 1) / 6)}
     assert costs["encoder_layers_asked"] == {"encoder_text": list(range(2, config.encoder_layers))}

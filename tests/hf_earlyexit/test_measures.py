@@ -55,6 +55,18 @@ def test_a_token_pays_an_ask_at_each_asked_layer_up_to_its_exit():
         expected_time_reduction(encoder, decoder, costs, 4, 4, 1, asked, "similarity")
 
 
+def test_a_step_with_a_decoder_controller_pays_the_exit_path_per_token():
+    costs = PartCosts(encoder_image=0, encoder_text=0, decoder=2, decoder_asks={"confidence": 0.5}, decoder_exit_path=1)
+    encoder = torch.zeros(2, 2, dtype=torch.long)
+    decoder = torch.tensor([[1, 4, 0], [3, 4, 2]])  # 5 tokens, 14 layers; full: 2 * 4 * 5 = 40
+    # With the controller asked after layer 1: layers 28, asks 0.5 * 5, the exit path 1 * 5.
+    assert expected_time_reduction(encoder, decoder, costs, 4, 4, 1, (1,), "confidence") == pytest.approx(1 - 35.5 / 40)
+    # Batch-aware, every row of the 3 steps pays it: layers 2 * 18, asks 0.5 * 6, the exit path 6.
+    assert expected_time_reduction(encoder, decoder, costs, 4, 4, 2, (1,), "confidence") == pytest.approx(1 - 45 / 48)
+    # Without a decoder controller (encoder exits only) the decoder runs without the exit path.
+    assert expected_time_reduction(encoder, decoder, costs, 4, 4) == pytest.approx(0.3)
+
+
 def test_a_sample_pays_each_asked_streams_test_up_to_its_exit():
     costs = PartCosts(
         encoder_image=1, encoder_text=1, decoder=0, encoder_asks={"encoder_image": 0.5, "encoder_text": 2}
