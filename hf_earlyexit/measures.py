@@ -37,7 +37,7 @@ class PartCosts:
         a layer per sample; measured costs only.
     decoder_exit_path: what a decoding step with a decoder controller costs per token beyond its layers and the
         controller's tests, and the full model's step does not (setting up the row exits, stopping rows, picking
-        each row's state): decoding forced to stop every row at the first exit point, less that layer and
+        each row's state): decoding forced to stop every row at the first exit point, less the layers it ran and
         `decoder_fixed`; measured costs only.
     call_fixed: the rest of a `generate` call per sample, which no part explains and no exit saves (its set-up, the
         encoder's outputs handed to decoding): measured as the full model's seconds less what the parts explain
