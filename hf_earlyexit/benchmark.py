@@ -15,9 +15,10 @@ test inputs, in one process, paired batch by batch and repeated (`paired_seconds
 (layers run, weighted by each part's cost per layer, measured on this machine in the same rounds by `PartCostRuns`,
 and by FLOPs as MuE counts), the wall-clock ratio and per-part times; and, unless asked not to, the full model
 compiled (`compiled_full_decoding`: a static cache, each decoding step one `torch.compile` graph), the fastest full
-model a user could run instead, so that every speedup is also stated against it. `PartCostRuns` times each part at
-full depth and forced to exit after its first layer, so the difference is what its other layers cost and the rest is
-what runs at any depth (the image stem, embeddings, output projection and the `generate` loop).
+model a user could run instead, so that every speedup is also stated against it. `PartCostRuns` times each encoder
+part at full depth and forced to exit after its first layer, and the decoder at full depth and forced to exit at its
+first and last exit points: the differences are what layers cost, the rest what runs at any depth (the image stem,
+embeddings, output projection and the `generate` loop) and what a decoding step with exits adds (its exit path).
 
 `training_step_benchmark` times one training step (forward + backward) of the same model and batch under each exit
 loss, interleaved, to show what training the exits costs against plain fine-tuning.
