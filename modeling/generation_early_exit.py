@@ -9,6 +9,7 @@ during the call. The layers each part ran come back in the model's outputs (`exi
 """
 
 import contextlib
+import copy
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -38,7 +39,7 @@ from .exit_knobs import (
     resolve_knobs,
 )
 from .row_exits import AutoPlan, CompactPlan, KeepPlan, LayerCosts, RowExits
-from .speculative import speculative_generate
+from .speculative import DEFAULT_DRAFT_TOKENS, speculative_generate
 
 
 @dataclass
@@ -305,9 +306,9 @@ class EarlyExitGenerationMixin(GenerationMixin):
         settings = kwargs.pop("exit_settings", None)
         if settings is not None and knobs:
             raise ValueError(f"Pass either `exit_settings` or the knobs {sorted(knobs)}, not both.")
-        source = generation_config if generation_config is not None else self.generation_config
+        source = self.generation_config if generation_config is None else completed(generation_config, self)
         if settings is None:
-            max_steps = kwargs.get("max_new_tokens") or source.max_new_tokens or source.max_length - 1
+            max_steps = decoding_steps(source, kwargs)
             # Transformers expands each request into max(num_beams, num_return_sequences) decoder rows.
             expand = max(kwargs.get(name) or getattr(source, name, None) or 1 for name in ROW_EXPANSIONS)
             settings = EarlyExitSettings.from_knobs(
@@ -316,9 +317,16 @@ class EarlyExitGenerationMixin(GenerationMixin):
         check_decoding(settings, source, kwargs)
         if settings.exits and kwargs.get("use_cache") is False:
             raise ValueError("Early exit in `generate` needs `use_cache=True` (skipped layers live in the cache).")
+        values = {}
         # A config's `use_cache=False` is a training setting (the Trainer writes it); exits need the cache.
         if settings.exits:
-            kwargs["use_cache"] = True
+            values["use_cache"] = True
+        if (
+            settings.exit_mode == "speculative"
+            and kwargs.get("num_assistant_tokens", source.num_assistant_tokens) is None
+        ):
+            values["num_assistant_tokens"] = DEFAULT_DRAFT_TOKENS  # not Transformers' global default of 20
+        generation_config, kwargs = with_generation_values(generation_config, kwargs, values)
 
         log = ExitLayerLog()
         with stateful_controllers_claimed(settings):
@@ -422,6 +430,39 @@ class EarlyExitGenerationMixin(GenerationMixin):
 
 
 ROW_EXPANSIONS = ("num_beams", "num_return_sequences")
+DRAFT_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+
+
+def completed(generation_config: GenerationConfig, model: GenerationMixin) -> GenerationConfig:
+    """A call's own generation config as Transformers completes it: its unset fields, and the entries it lacks (the
+    exit knobs a calibration saved), from the model's generation config."""
+    generation_config = copy.deepcopy(generation_config)
+    generation_config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    return generation_config
+
+
+def decoding_steps(generation_config: GenerationConfig, kwargs: dict[str, Any]) -> int:
+    """The new tokens a call decodes at most: `max_new_tokens`, else `max_length` less the decoder's start token,
+    else Transformers' default (which it adds to the decoder's input length when no length is set)."""
+    given = kwargs.get("max_new_tokens") or generation_config.max_new_tokens
+    if given:
+        return given
+    length = kwargs.get("max_length") or generation_config.max_length
+    return length - 1 if length else GenerationConfig._get_default_generation_params()["max_length"]
+
+
+def with_generation_values(
+    generation_config: GenerationConfig | None, kwargs: dict[str, Any], values: dict[str, Any]
+) -> tuple[GenerationConfig | None, dict[str, Any]]:
+    """`generate`'s (generation config, kwargs) with `values` set: on a copy of the call's own config when it passed
+    one (Transformers warns about generation kwargs beside a config), else as kwargs."""
+    if not values:
+        return generation_config, kwargs
+    if generation_config is None:
+        return None, {**kwargs, **values}
+    generation_config = copy.deepcopy(generation_config)
+    generation_config.update(**values)
+    return generation_config, kwargs
 
 
 def request_count(inputs: torch.Tensor | None, kwargs: dict[str, Any]) -> int | None:
@@ -449,11 +490,29 @@ def check_decoding(settings: EarlyExitSettings, generation_config: GenerationCon
             f"{assisted} verify several tokens in one pass, which lossy exits would change: use "
             '`exit_mode="speculative"` (lossless), or no exits.'
         )
-    if speculative and (kwargs.get("num_beams") or generation_config.num_beams or 1) > 1:
+    if not speculative:
+        return
+    if (kwargs.get("num_beams") or generation_config.num_beams or 1) > 1:
         raise ValueError('`exit_mode="speculative"` decodes greedily or by sampling: set `num_beams=1`.')
-    asked = [name for name in ("output_attentions", "output_hidden_states") if kwargs.get(name)]
-    if speculative and (asked or kwargs.get("synced_gpus")):
+    outputs = ("output_attentions", "output_hidden_states")
+    asked = [name for name in outputs if kwargs.get(name, getattr(generation_config, name, None))]
+    if asked or kwargs.get("synced_gpus"):
         raise ValueError(f'`exit_mode="speculative"` does not support {asked or ["synced_gpus"]}.')
+    check_draft_length(
+        kwargs.get("num_assistant_tokens", generation_config.num_assistant_tokens),
+        kwargs.get("num_assistant_tokens_schedule", generation_config.num_assistant_tokens_schedule),
+    )
+
+
+def check_draft_length(draft_tokens: Any, schedule: Any) -> None:
+    """Speculative mode's draft length: a whole number of drafts per round, at least 1, and a schedule that
+    Transformers names (None: the defaults)."""
+    if draft_tokens is not None and (
+        isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1
+    ):
+        raise ValueError(f"`num_assistant_tokens` is the drafts per round, a whole number >= 1; got {draft_tokens!r}.")
+    if schedule is not None and schedule not in DRAFT_SCHEDULES:
+        raise ValueError(f"`num_assistant_tokens_schedule` must be one of {list(DRAFT_SCHEDULES)}; got {schedule!r}.")
 
 
 def generated_exit_layers(decoder_steps: list[torch.Tensor], output: GenerateEncoderDecoderOutput) -> torch.LongTensor:

@@ -35,7 +35,7 @@ from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitState, checked_decision
 from .exit_knobs import EXIT_KNOBS
 from .generation_early_exit import EarlyExitGenerationMixin, EarlyExitSettings, new_cache
-from .row_exits import ActiveRows, LayerCosts, RowExits, select_rows
+from .row_exits import ActiveRows, LayerCosts, RowExits, random_state_kept, select_rows
 
 # ---------------------------------------------------------------------------------------------------------------
 # Positions
@@ -677,7 +677,9 @@ class OFAEncoder(nn.Module):
         per batch, length (rounded up to a multiple of 32), dtype and device, then kept."""
         length, device = -(-length // 32) * 32, self.pos_ln.weight.device
         key = (batch, length, dtype, device)
-        if key not in self.measured_layer_costs:
+        if key in self.measured_layer_costs:
+            return self.measured_layer_costs[key]
+        with random_state_kept(device):
             hidden = torch.randn(batch, length, self.config.d_model, device=device, dtype=dtype)
             bias = hidden.new_zeros(batch, self.num_heads, length, length)
             keep = torch.arange(batch, device=device) > 0
@@ -1161,7 +1163,9 @@ class OFADecoder(nn.Module):
         to a multiple of 32), dtype and device, then kept."""
         source, device = -(-source // 32) * 32, self.pos_ln.weight.device
         key = (batch, query, source, dtype, device)
-        if key not in self.measured_layer_costs:
+        if key in self.measured_layer_costs:
+            return self.measured_layer_costs[key]
+        with random_state_kept(device):
             hidden = torch.randn(batch, query, self.config.d_model, device=device, dtype=dtype)
             encoder_hidden_states = torch.randn(batch, source, self.config.d_model, device=device, dtype=dtype)
             cache = new_cache(self.config, None)
@@ -1743,8 +1747,9 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
         # Contiguous, as the stock method makes it: a slice's stride grows with every step, which a compiled decoding
         # step would recompile for.
         decoder_input_ids = decoder_input_ids.clone(memory_format=torch.contiguous_format)
-        # The encoder ran before the first step: its outputs replace the image, whatever the iteration.
-        skipped = {"labels", "is_first_iteration", "pixel_values", "exit_layer_log"}
+        # The encoder ran before the first step: its outputs replace the image, whatever the iteration. Transformers
+        # hands the decoding loop its tokenizers (`stop_strings`) among the model kwargs.
+        skipped = {"labels", "is_first_iteration", "pixel_values", "exit_layer_log", "tokenizer", "assistant_tokenizer"}
         return {"decoder_input_ids": decoder_input_ids, **{k: v for k, v in kwargs.items() if k not in skipped}}
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:

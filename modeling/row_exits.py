@@ -22,6 +22,7 @@ others stopping with them). Nothing here imports the model.
 """
 
 import bisect
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -79,6 +80,12 @@ def median_seconds(calls: list[Callable[[], object]], device: torch.device, repe
             if round_:
                 seconds[index].append(time.perf_counter() - start)
     return [statistics.median(values) for values in seconds]
+
+
+def random_state_kept(device: torch.device) -> contextlib.AbstractContextManager:
+    """The caller's random state, restored on leaving: measuring a layer draws random inputs (and runs dropout in
+    training), which must not move the samples of a seeded `generate` that measures on its first call."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
 @dataclass(frozen=True)
@@ -312,5 +319,6 @@ __all__ = [
     "LayerCosts",
     "RowExits",
     "median_seconds",
+    "random_state_kept",
     "select_rows",
 ]

@@ -809,3 +809,72 @@ def test_bad_thresholds_per_request_name_the_knob(knobs, message):
     model = tiny_model(decoder_layers=4, decompose_encoder_modalities=True).eval()
     with pytest.raises(ValueError, match=message):
         model.generate(**tiny_inputs(batch=3), max_new_tokens=3, **{"exit_policy": "confidence", **knobs})
+
+
+@pytest.mark.parametrize("knobs", [{}, {"exit_mode": "exit"}, {"exit_mode": "speculative"}])
+def test_generate_without_max_new_tokens_decodes_to_max_length(model, knobs):
+    """Transformers 5 leaves `max_length` unset in a config: a call with `max_length`, or with no length at all
+    (Transformers' default of 20), decodes in every mode."""
+    inputs = batch_of(2)
+    knobs = {**knobs, "exit_controller": mixed_exits()} if knobs else knobs
+    assert model.generation_config.max_length is None and model.generation_config.max_new_tokens is None
+    with torch.no_grad():
+        short = model.generate(**inputs, max_length=6, min_length=6, **knobs)
+        default = model.generate(**inputs, **knobs)
+    assert short.shape == (2, 6) and default.shape[1] <= 21
+
+
+def test_a_passed_generation_config_is_completed_by_the_models_as_transformers_does(model):
+    """Transformers fills a passed config's unset fields and missing entries from the model's generation config: the
+    exits see the same, so the saved beams expand per-request thresholds, the saved exit knobs apply, and speculative
+    mode is refused under the saved beams instead of decoding lossy beam search."""
+    inputs = batch_of(2)
+    model.generation_config.num_beams = 3
+    model.generation_config.exit_controller = mixed_exits()
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                **inputs, generation_config=GenerationConfig(max_new_tokens=4, return_dict_in_generate=True)
+            )
+            per_request = model.generate(**inputs, generation_config=GenerationConfig(max_new_tokens=4),
+                                         exit_policy="confidence", exit_threshold=[0.05, 0.5])  # fmt: skip
+        with pytest.raises(ValueError, match="num_beams=1"):
+            model.generate(**inputs, generation_config=GenerationConfig(max_new_tokens=4), exit_mode="speculative")
+    finally:
+        model.generation_config.num_beams = None
+        del model.generation_config.exit_controller
+    assert out.exit_layers.min() < DEPTH and per_request.shape[0] == 2
+
+
+def test_exits_beside_a_passed_generation_config_add_no_kwargs_warning(model, caplog):
+    """The cache that exits need is set on the call's config, not passed as a kwarg beside it (which Transformers
+    warns about)."""
+    with caplog.at_level("WARNING"), torch.no_grad():
+        model.generate(
+            **batch_of(1), generation_config=GenerationConfig(max_new_tokens=3), exit_controller=mixed_exits()
+        )
+    assert "deprecated" not in caplog.text
+
+
+def test_measuring_the_layer_costs_leaves_a_seeded_sampling_call_unchanged(model):
+    """`row_exit="auto"` measures a layer on its first stop of a shape, with random inputs: the caller's seed still
+    gives the samples it gives once the costs are known."""
+    model.decoder.measured_layer_costs.clear()
+    model.encoder.measured_layer_costs.clear()
+    first = generate(model, batch_of(4), "sample", exit_controller=mixed_exits())
+    measured = generate(model, batch_of(4), "sample", exit_controller=mixed_exits())
+    assert torch.equal(first.sequences, measured.sequences)
+
+
+def test_stop_strings_stop_decoding_in_every_mode():
+    """Transformers hands the decoding loop the `tokenizer` that `stop_strings` need; it is no model input."""
+    from hf_earlyexit.loading import EMBEDDED_MODEL_DIR, load_model_and_processor
+    from hf_earlyexit.scenes import scene
+
+    embedded, processor = load_model_and_processor(EMBEDDED_MODEL_DIR)
+    inputs = processor(images=scene(7, 0, image_size=64)[0], text=" what does the image describe?", return_tensors="pt")
+    options = dict(max_new_tokens=24, stop_strings=["purple"], tokenizer=processor.tokenizer)
+    with torch.no_grad():
+        for knobs in (NO_EXIT, {}, {"exit_mode": "speculative"}):
+            text = processor.batch_decode(embedded.generate(**inputs, **options, **knobs), skip_special_tokens=True)
+            assert text[0].endswith("purple"), (knobs, text)
