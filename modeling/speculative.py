@@ -89,17 +89,27 @@ class RowTokens:
 
 def processed(processors: Callable, tokens: RowTokens, rows: list[int], offset: int, logits: torch.Tensor):
     """The logits processors applied to the `rows` of `logits` [batch, vocab], each on its own prefix (its tokens and
-    `offset` drafts); the other rows keep their logits. Rows of one length go together."""
+    `offset` drafts); the other rows keep their logits. As in stock `generate`, every call sees the whole batch in
+    batch order, since a processor may key on a row's index (`prefix_allowed_tokens_fn` does): one call per prefix
+    length among the rows, keeping the rows of that length."""
     if not processors:
         return logits
+    groups = tokens.by_length(rows, offset)
+    if len(groups) == 1 and len(rows) == logits.shape[0]:
+        return processed_batch(processors, tokens.buffer[:, : next(iter(groups))], logits)
     scores = logits.clone()
-    batch = logits.shape[0]
-    for length, group in tokens.by_length(rows, offset).items():
-        index = slice(None) if len(group) == batch else torch.tensor(group, device=logits.device)
-        prefixes, group_scores = tokens.buffer[index, :length], scores[index]
-        for processor in processors:  # `LogitsProcessorList.__call__` minus its signature check per call
-            group_scores = processor(prefixes, group_scores)
-        scores[index] = group_scores
+    for length, group in groups.items():
+        index = torch.tensor(group, device=logits.device)
+        scores[index] = processed_batch(processors, tokens.buffer[:, :length], logits)[index]
+    return scores
+
+
+def processed_batch(processors: Callable, prefixes: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The processors on the whole batch's `prefixes` [batch, length] and a copy of `logits` [batch, vocab]: a
+    processor may write into its scores, and `logits` are the raw logits the round keeps (and other lengths use)."""
+    scores = logits.clone()
+    for processor in processors:  # `LogitsProcessorList.__call__` minus its signature check per call
+        scores = processor(prefixes, scores)
     return scores
 
 
@@ -399,7 +409,8 @@ def speculative_generate(
 ) -> SpeculativeOutput:
     """`generate`'s greedy / sampling loop in speculative mode, on the decoder inputs `input_ids` [batch, T] (the
     decoder start token, or a decoder prompt) and `generate`'s prepared model kwargs (encoder outputs, an
-    `EarlyExitCache` with `recompute`, the exit settings)."""
+    `EarlyExitCache` with `recompute`, the exit settings). A streamer gets, per position of a round's tokens, one
+    [batch] tensor as from stock `generate`: the pad token for a row with no token there (finished, or fewer)."""
     pad = int(generation_config._pad_token_tensor) if generation_config._pad_token_tensor is not None else 0
     decoding = SpeculativeDecoding(
         model.get_decoder(),
@@ -452,29 +463,48 @@ def commit_round(
     """Append each row's emitted tokens one at a time, checking the stopping criteria after each on the row's own
     sequence (so a row stops exactly where the full model's loop would); returns how many tokens each row appended
     [batch] and the rows still generating."""
+    accepted, drafted = result.accepted.tolist(), result.drafted.tolist()
     for row in rows:
-        log.drafted[row] += int(result.drafted[row])
+        log.drafted[row] += drafted[row]
         log.rounds[row] += 1
-        count = int(result.accepted[row]) + 1
+        count = accepted[row] + 1
         tokens.buffer[row, tokens.lengths[row] : tokens.lengths[row] + count] = result.tokens[row, :count]
     going, appended = list(rows), [0] * len(tokens.lengths)
     for index in range(result.tokens.shape[1]):
-        active = [row for row in going if index <= int(result.accepted[row])]
+        active = [row for row in going if index <= accepted[row]]
         if not active:
             break
         for row in active:
             tokens.lengths[row] += 1
             appended[row] += 1
             log.add(row, result, index)
-            log.accepted[row] += index < int(result.accepted[row])
-        if streamer is not None:
-            streamer.put(result.tokens[active, index : index + 1].cpu())
-        stopped = set()
-        for length, group in tokens.by_length(active).items():
-            done = stopping_criteria(tokens.buffer[group, :length], None)
-            stopped.update(row for row, stop in zip(group, done.tolist(), strict=True) if stop)
+            log.accepted[row] += index < accepted[row]
+        stopped = stopped_rows(stopping_criteria, tokens, active)
         going = [row for row in going if row not in stopped]
+    if streamer is not None:
+        stream(streamer, result.tokens, appended, tokens.pad_token_id)
     return appended, going
+
+
+def stopped_rows(stopping_criteria, tokens: RowTokens, rows: list[int]) -> set[int]:
+    """Those of the `rows` that the stopping criteria stop on their own sequences. As in stock `generate`, every
+    call sees the whole batch in batch order, since a criterion may key on a row's index: one call per length
+    among the rows, keeping the rows of that length."""
+    stopped = set()
+    for length, group in tokens.by_length(rows).items():
+        done = stopping_criteria(tokens.buffer[:, :length], None).tolist()
+        stopped.update(row for row in group if done[row])
+    return stopped
+
+
+def stream(streamer, emitted: torch.Tensor, appended: list[int], pad_token_id: int) -> None:
+    """Put a round's tokens as stock `generate` does a step's: a [batch] tensor per position of `emitted` [batch,
+    K + 1], of which each row appended its first `appended[row]`, with the pad token for a row with none there."""
+    counts = torch.tensor(appended, device=emitted.device)
+    positions = torch.arange(emitted.shape[1], device=emitted.device)
+    padded = torch.where(positions[None] < counts[:, None], emitted, pad_token_id)
+    for column in padded[:, : max(appended)].T.contiguous().cpu():  # one copy to the host per round
+        streamer.put(column)
 
 
 __all__ = [

@@ -3,7 +3,7 @@ full model's: token for token when greedy, in distribution when sampling, at any
 
 import pytest
 import torch
-from transformers import AutoModel, AutoProcessor
+from transformers import AutoModel, AutoProcessor, GenerationConfig, LogitsProcessor, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from hf_earlyexit.loading import EMBEDDED_MODEL_DIR
@@ -215,10 +215,11 @@ def test_sampled_return_sequences_and_the_heuristic_schedule(model):
 
 class Collector(BaseStreamer):
     def __init__(self):
-        self.tokens, self.ended = [], False
+        self.tokens, self.puts, self.ended = [], [], False
 
     def put(self, value):
         self.tokens += value.flatten().tolist()
+        self.puts.append(value.clone())
 
     def end(self):
         self.ended = True
@@ -229,6 +230,75 @@ def test_a_streamer_receives_the_tokens_as_they_are_accepted(model):
     streamer = Collector()
     out = speculative(model, inputs, FixedLayerExit(1), streamer=streamer, num_assistant_tokens=4)
     assert streamer.tokens == out.sequences[0].tolist() and streamer.ended
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_streamer_gets_one_token_per_row_per_put_as_from_stock_generate(model, batch):
+    inputs, pad = mixed_lengths(batch, seed=1), model.generation_config.pad_token_id
+    streamer = Collector()
+    out = speculative(model, inputs, CONTROLLERS["fixed"](), streamer=streamer, num_assistant_tokens=4)
+    assert batch == 1 or len(set(out.accepted_tokens.tolist())) > 1  # rows emit different counts per round
+    prompt, *steps = streamer.puts  # the prompt comes from `generate` itself
+    assert torch.equal(prompt, out.sequences[:, :1])
+    assert all(step.shape == (batch,) and step.device.type == "cpu" for step in steps)
+    streamed = torch.stack(steps, dim=1)
+    if batch == 1:
+        assert streamed[0].tolist() == out.sequences[0, 1:].tolist()
+    for row, new in zip(streamed.tolist(), out.sequences[:, 1:].tolist(), strict=True):
+        assert [token for token in row if token != pad] == [token for token in new if token != pad]
+
+
+class PerRequestBias(LogitsProcessor):
+    """One favoured token per request, added in place: the processor keys on a row's index and writes its input."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = torch.tensor(tokens)
+
+    def __call__(self, input_ids, scores):
+        scores[torch.arange(scores.shape[0]), self.tokens] += 5.0
+        return scores
+
+
+def low_or_high(batch_id: int, prefix: torch.Tensor) -> list[int]:
+    """Even requests take low ids, odd ones high ids or the end token."""
+    return list(range(3, 60)) if batch_id % 2 == 0 else [*range(60, 120), 2]
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [dict(prefix_allowed_tokens_fn=low_or_high), dict(logits_processor=[PerRequestBias([10, 20, 30, 40])])],
+    ids=["prefix_allowed_tokens_fn", "per_request_processor"],
+)
+def test_processors_that_key_on_the_rows_index_see_the_whole_batch(model, constraint):
+    inputs = mixed_lengths(4, seed=1)
+    expected = full_greedy(model, inputs, **constraint)
+    out = speculative(model, inputs, CONTROLLERS["fixed"](), num_assistant_tokens=4, **constraint)
+    assert len(set(out.accepted_tokens.tolist())) > 1  # the rows' lengths part: processors run per length
+    assert torch.equal(out.sequences, expected)
+    if "prefix_allowed_tokens_fn" in constraint:
+        for row, new in enumerate(out.sequences[:, 1:].tolist()):
+            ends = {model.generation_config.eos_token_id, model.generation_config.pad_token_id}  # forced end, padding
+            assert set(new) <= set(low_or_high(row, out.sequences[row])) | ends, row
+
+
+class PerRequestStop(StoppingCriteria):
+    """One stop token per request: the criterion keys on a row's index."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = torch.tensor(tokens)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.tokens
+
+
+def test_stopping_criteria_that_key_on_the_rows_index_see_the_whole_batch(model):
+    inputs = mixed_lengths(4, seed=1)
+    plain = full_greedy(model, inputs)
+    criteria = [PerRequestStop(plain[:, 4].tolist())]  # each request stops at its fourth new token
+    expected = full_greedy(model, inputs, stopping_criteria=criteria)
+    assert expected.shape[1] == 5
+    out = speculative(model, inputs, CONTROLLERS["fixed"](), num_assistant_tokens=4, stopping_criteria=criteria)
+    assert torch.equal(out.sequences, expected)
 
 
 def test_speculative_can_be_the_saved_default(model):
@@ -299,6 +369,18 @@ def test_a_bad_saved_draft_threshold_is_refused_in_every_mode(model):
         (dict(exit_mode="speculative", exit_threshold=0.5, draft_max_batch_size=0), "draft_max_batch_size"),
         (dict(exit_mode="speculative", exit_threshold=0.5, draft_max_batch_size=2.5), "draft_max_batch_size"),
         (dict(exit_mode="speculative", exit_threshold=0.5, draft_max_batch_size=True), "draft_max_batch_size"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, num_assistant_tokens=0), "num_assistant_tokens"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, num_assistant_tokens=2.5), "num_assistant_tokens"),
+        (
+            dict(exit_mode="speculative", exit_threshold=0.5, num_assistant_tokens_schedule="fast"),
+            "num_assistant_tokens_schedule",
+        ),
+        (
+            dict(
+                exit_mode="speculative", exit_threshold=0.5, generation_config=GenerationConfig(output_attentions=True)
+            ),
+            "output_attentions",
+        ),
     ],
 )
 def test_refusals_name_the_knob(model, knobs, message):
@@ -327,3 +409,14 @@ def test_the_embedded_model_through_remote_code_gives_its_full_models_captions(b
         assert torch.equal(out.sequences, expected)
         drafted, accepted = drafted + int(out.drafted_tokens.sum()), accepted + int(out.accepted_tokens.sum())
     assert accepted > 0.6 * drafted  # a trained model's exits draft well
+
+
+def test_a_model_that_sets_no_draft_length_drafts_four_tokens_a_round(model):
+    """Transformers' own default, 20 drafts a round, is for a separate assistant model; ours draft with a shallow
+    exit, whose drafts go wrong sooner."""
+    assert model.generation_config.num_assistant_tokens is None
+    with torch.no_grad():
+        out = model.generate(**mixed_lengths(1), max_new_tokens=30, min_new_tokens=30, exit_mode="speculative",
+                             exit_controller=FixedLayerExit(1), return_dict_in_generate=True)  # fmt: skip
+    drafted, rounds = int(out.drafted_tokens[0]), int(out.speculative_rounds[0])
+    assert 3 * rounds < drafted <= 4 * rounds
