@@ -72,6 +72,8 @@ class EarlyExitCache(DynamicCache):
         self.waiting_layers: set[int] = set()
         # propagate / copy: the steps whose empty slots are not filled yet, oldest first.
         self.skipped: list[SkippedSlots] = []
+        # [batch]: the rows `generate`'s loop has fed an end token, which it has finished (`rows_ended`).
+        self.ended: torch.Tensor | None = None
         self._derived: dict[str, Any] = {}
 
     def derived(self, name: str, make: Callable[[], Any]) -> Any:
@@ -80,6 +82,11 @@ class EarlyExitCache(DynamicCache):
         if name not in self._derived:
             self._derived[name] = make()
         return self._derived[name]
+
+    def rows_ended(self, ending: torch.Tensor) -> torch.Tensor:
+        """[batch] bool: the rows fed an end token at this step (`ending`) or at an earlier one."""
+        self.ended = ending if self.ended is None else self.ended | ending
+        return self.ended
 
     @property
     def is_compileable(self) -> bool:
@@ -256,10 +263,12 @@ class EarlyExitCache(DynamicCache):
             self.frontier, self.pending = function(self.frontier), function(self.pending)
         for step in self.skipped:
             step.layers_run, step.exit_outputs = function(step.layers_run), function(step.exit_outputs)
+        if self.ended is not None:
+            self.ended = function(self.ended)
 
     def reset(self) -> None:
         super().reset()
-        self.frontier = self.pending = None
+        self.frontier = self.pending = self.ended = None
         self.waiting_layers = set()
         self.skipped = []
 

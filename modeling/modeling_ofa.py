@@ -1478,18 +1478,21 @@ class OFADecoder(nn.Module):
         return stop | (finished if exits.active is None else finished[exits.running]), state
 
     def finished_rows(
-        self, input_ids: torch.LongTensor | None, exit_settings: EarlyExitSettings
+        self, input_ids: torch.LongTensor | None, exit_settings: EarlyExitSettings, self_cache: EarlyExitCache | None
     ) -> torch.BoolTensor | None:
-        """The rows of a decoding step that `generate` has finished: fed the pad token, or the end token they have just
-        emitted (`EarlyExitSettings.end_token_ids`). Their tokens are thrown away, so they stop at the first exit and
-        never hold their batch in deeper layers. None outside one-token steps."""
-        pad = self.config.pad_token_id
-        if input_ids is None or input_ids.shape[1] != 1 or pad is None:
+        """The rows of a decoding step whose tokens are thrown away: they stop at the first exit and never hold their
+        batch in deeper layers. In `generate`'s greedy and sampling loop (`EarlyExitSettings.end_token_ids`), the rows
+        fed an end token at this step or an earlier one (the pad token they are fed after it alone says nothing: a
+        running row may emit it); in a speculative round, the rows fed the pad token (those that do not draft).
+        None otherwise, and outside one-token steps."""
+        if input_ids is None or input_ids.shape[1] != 1:
             return None
-        finished = input_ids[:, 0] == pad
-        if exit_settings.end_token_ids is not None:
-            finished |= torch.isin(input_ids[:, 0], exit_settings.end_token_ids.to(input_ids.device))
-        return finished
+        if exit_settings.exit_mode == "speculative":
+            pad = self.config.pad_token_id
+            return None if pad is None else input_ids[:, 0] == pad
+        if exit_settings.end_token_ids is None or self_cache is None:
+            return None
+        return self_cache.rows_ended(torch.isin(input_ids[:, 0], exit_settings.end_token_ids.to(input_ids.device)))
 
     def fill_skipped_layers_later(
         self, self_cache: EarlyExitCache, exits: RowExits, slots: slice | None, exit_outputs: torch.Tensor
@@ -1548,19 +1551,19 @@ class OFADecoder(nn.Module):
 
         layers = layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training)
         batch, device = tokens.shape[0], tokens.device
+        finished = self.finished_rows(input_ids, exit_settings, self_cache) if controller is not None else None
         if controller is None:
             exits = RowExits(batch, len(layers), device)
         else:
             source = encoder_outputs.last_hidden_state.shape[1]
             costs = functools.partial(self.layer_costs, batch, tokens.shape[1], source, hidden_states.dtype)
-            exits = exit_settings.row_exits("decoder", batch, len(layers), device, costs)
+            exits = exit_settings.row_exits("decoder", batch, len(layers), device, costs, finished)
         self_absolute, buckets, cross_bias, query_mask = (
             step.self_absolute,
             step.buckets,
             step.cross_bias,
             step.query_mask,
         )
-        finished = self.finished_rows(input_ids, exit_settings) if controller is not None else None
         layer_outputs, exit_states, state = [(hidden_states, None, None)], [], None  # (states, attentions) per layer
         asked = exit_settings.asked_layers(self.exit_points, len(layers)) if exit_settings is not None else ()
         for count, idx in enumerate(layers, start=1):

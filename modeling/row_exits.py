@@ -18,7 +18,7 @@ goes on. What happens to a ready row is the execution plan:
 The loop ends when the last row is ready. Two batch-level rules change what "ready" gives: the token of a row ready
 before the batch stops may come from the layer where the batch stops (`token_from_batch_layer`, CALM's rule: deeper,
 at no extra cost under `KeepPlan`), and the batch may stop once a fraction of its rows is ready (`stop_fraction`, the
-others stopping with them). Nothing here imports the model.
+others stopping with them; rows whose output is thrown away count on neither side). Nothing here imports the model.
 """
 
 import bisect
@@ -205,6 +205,7 @@ class RowExits:
         plan: Plan | None = None,
         token_from_batch_layer: bool = False,
         stop_fraction: float = 1.0,
+        discarded: torch.Tensor | None = None,
     ):
         self.exit_layers = torch.full((batch_size,), depth, dtype=torch.long, device=device)
         self.layers_run = self.exit_layers.clone()
@@ -215,6 +216,7 @@ class RowExits:
         self.plan = plan or CompactPlan()
         self.token_from_batch_layer = token_from_batch_layer
         self.stop_fraction = stop_fraction
+        self.discarded = discarded  # [batch]: rows whose output `generate` throws away, outside the fraction
         self.finished = False  # every row is ready
         self.stopped_together = False  # ... every row's output comes from the same layer, the last one run
         self._earlier_stops = False
@@ -231,7 +233,7 @@ class RowExits:
         if stopping == 0:
             return carried
         batch = len(self.exit_layers)
-        if stopping < self.waiting_count and batch - self.waiting_count + stopping >= self.stop_fraction * batch:
+        if stopping < self.waiting_count and self.enough_ready(batch - self.waiting_count + stopping):
             stop, stopping = self.waiting, self.waiting_count  # enough rows are ready: the batch stops
         self.exit_layers[self.running[stop]] = layer
         self.waiting_count -= stopping
@@ -250,6 +252,15 @@ class RowExits:
         self._earlier_stops = True
         self.waiting = self.waiting & ~stop
         return self.plan.go_on(self, layer, leaving, carried)
+
+    def enough_ready(self, ready: int) -> bool:
+        """Whether `ready` rows reach the stop fraction of the rows whose output counts. The discarded rows are among
+        the ready ones from the first exit on (they stop there), and count on neither side."""
+        if self.stop_fraction >= 1:
+            return False
+        batch = len(self.exit_layers)
+        discarded = 0 if self.discarded is None else int(self.discarded.sum())
+        return ready - discarded >= self.stop_fraction * (batch - discarded)
 
     def compact(self, layer: int, leaving: States, carried: tuple) -> tuple:
         """The ready rows leave the layers after `layer` with their `leaving` states; returns `carried` for the rest."""

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from hf_earlyexit.modeling.early_exit_cache import KV_STRATEGIES, EarlyExitCache
 from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, ExitController, FixedLayerExit, PatienceExit
 from hf_earlyexit.modeling.exit_knobs import NO_EXIT
-from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings
+from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings, new_cache
 from hf_earlyexit.modeling.row_exits import LayerCosts
 from tests.helpers import tiny_config, tiny_inputs, tiny_model
 
@@ -430,25 +430,75 @@ def test_auto_follows_the_measured_layer_costs(model):
     assert calls == [[4] * depth for depth in out.exit_layers.max(dim=0).values.tolist()]
 
 
-def test_rows_generate_has_finished_stop_at_the_first_exit(model):
-    """`generate` feeds a finished row the pad token and drops its token: it must not keep its batch running."""
+def test_rows_fed_their_end_token_stop_at_the_first_exit_from_then_on(model):
+    """`generate` feeds a finished row its end token, then the pad token, and drops its tokens: from the end token on
+    it must not keep its batch running. A speculative round feeds the pad token to the rows that do not draft."""
     inputs = batch_of(4)
     pad = model.config.pad_token_id
     with torch.no_grad():
         encoder_outputs = model.get_encoder()(**inputs)
-        tokens = torch.tensor([[5], [pad], [7], [9]])
         for row_exit in ("keep", "compact"):
-            settings = EarlyExitSettings(decoder=NeverExit(), row_exit=row_exit, min_exit_layer=2)
-            out = model.decoder(tokens, encoder_outputs, exit_settings=settings)
-            assert out.exit_layers.tolist() == [DEPTH, 2, DEPTH, DEPTH]
-        # Without a controller nothing exits, pad or not; with a prompt of several tokens, pads are not finished rows.
-        assert model.decoder(tokens, encoder_outputs).exit_layers.tolist() == [DEPTH] * 4
-        prompt = torch.tensor([[0, pad], [0, 5], [0, 6], [0, 7]])
-        out = model.decoder(prompt, encoder_outputs, exit_settings=EarlyExitSettings(decoder=NeverExit()))
+            settings = EarlyExitSettings(
+                decoder=NeverExit(), row_exit=row_exit, min_exit_layer=2, end_token_ids=torch.tensor([7])
+            )
+            cache = new_cache(model.config, settings)
+            layers = [
+                model.decoder(torch.tensor(step)[:, None], encoder_outputs, past_key_values=cache,
+                              exit_settings=settings).exit_layers.tolist()
+                for step in ([5, pad, 7, 9], [6, 8, pad, 7], [pad, 8, pad, pad])
+            ]  # fmt: skip
+            assert layers == [[DEPTH, DEPTH, 2, DEPTH], [DEPTH, DEPTH, 2, 2], [DEPTH, DEPTH, 2, 2]], row_exit
+        # Without a call's end tokens (beam search, a plain forward) no row is finished.
+        tokens = torch.tensor([[5], [pad], [7], [9]])
+        out = model.decoder(tokens, encoder_outputs, exit_settings=EarlyExitSettings(decoder=NeverExit()))
         assert out.exit_layers.tolist() == [DEPTH] * 4
-        # A row fed the end token of its call has just finished too.
-        ended = EarlyExitSettings(decoder=NeverExit(), min_exit_layer=2, end_token_ids=torch.tensor([7]))
-        assert model.decoder(tokens, encoder_outputs, exit_settings=ended).exit_layers.tolist() == [DEPTH, 2, 2, DEPTH]
+        drafting = EarlyExitSettings(decoder=NeverExit(), min_exit_layer=2, exit_mode="speculative")
+        assert model.decoder(tokens, encoder_outputs, exit_settings=drafting).exit_layers.tolist() == [
+            DEPTH,
+            2,
+            DEPTH,
+            DEPTH,
+        ]
+        prompt = torch.tensor([[0, pad], [0, 5], [0, 6], [0, 7]])
+        out = model.decoder(prompt, encoder_outputs, exit_settings=drafting)
+        assert out.exit_layers.tolist() == [DEPTH] * 4
+
+
+class PadFirst(LogitsProcessor):
+    """Row 0 emits the pad token as its first new token: a running row, whatever the token."""
+
+    def __init__(self, pad: int):
+        self.pad = pad
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] == 1:
+            scores = scores.clone()
+            scores[0] = -1e9
+            scores[0, self.pad] = 0.0
+        return scores
+
+
+@pytest.mark.parametrize("row_exit", ["keep", "compact"])
+def test_a_running_row_that_emits_the_pad_token_decodes_like_the_full_model(model, row_exit):
+    inputs = batch_of(2)
+    processors = LogitsProcessorList([PadFirst(model.config.pad_token_id)])
+    full = generate(model, inputs, "greedy", logits_processor=processors, **NO_EXIT)
+    out = generate(model, inputs, "greedy", logits_processor=processors, exit_controller=NeverExit(), row_exit=row_exit)
+    assert int(full.sequences[0, 1]) == model.config.pad_token_id
+    assert torch.equal(out.sequences, full.sequences) and bool((out.exit_layers == DEPTH).all())
+
+
+def test_finished_rows_do_not_count_toward_the_batch_stop_fraction(model):
+    """Rows that have ended are ready at the first exit; the fraction counts the rows still decoding, so two live
+    rows of four whose neighbours ended do not stop each other."""
+    inputs = batch_of(4)
+    full = generate(model, inputs, "greedy", **NO_EXIT)
+    end = int(full.sequences[0, 1])  # row 0's first token: its end, and that of rows that start alike
+    ended_early = full.sequences[:, 1] == end
+    assert 0 < int(ended_early.sum()) < 4
+    out = generate(model, inputs, "greedy", exit_controller=NeverExit(), batch_stop_fraction=0.5, eos_token_id=end)
+    assert torch.equal(out.sequences, generate(model, inputs, "greedy", eos_token_id=end, **NO_EXIT).sequences)
+    assert bool((out.exit_layers[~ended_early, :3] == DEPTH).all())
 
 
 def test_a_row_that_just_emitted_its_end_token_stops_at_the_first_exit_and_the_tokens_stay(model):
