@@ -128,11 +128,14 @@ SCHEDULES = dict(
 def per_row(
     threshold: "float | Sequence[float] | torch.Tensor | ThresholdSchedule",
 ) -> "float | torch.Tensor | ThresholdSchedule":
-    """A threshold as a controller keeps it: a number or a schedule as given, a list or a 1-D tensor (one per row) as a
-    float tensor. ValueError on another shape."""
+    """A threshold as a controller keeps it: a number or a schedule as given (a 0-d tensor or NumPy number as a
+    number), a list or a 1-D tensor (one per row) as a float tensor. ValueError on another shape."""
     if isinstance(threshold, (int, float, ThresholdSchedule)):
         return threshold
-    values = torch.as_tensor(threshold, dtype=torch.float32)
+    values = torch.as_tensor(threshold)
+    if values.dim() == 0:  # a 0-d tensor or a NumPy number: the number itself
+        return values.item()
+    values = values.float()
     if values.dim() != 1 or values.numel() == 0:
         raise ValueError(f"A threshold is a number or one number per row (a list or a 1-D tensor), got {threshold!r}.")
     return values
@@ -262,7 +265,7 @@ class ConfidenceExit(ThresholdExit):
 class PatienceExit(ExitController):
     """PABEE: stop when the exit head's argmax for the newest token has been the same for `patience` layers.
 
-    The count restarts at each token (layer 1 of each step), per row.
+    The count restarts at each token's first layer asked (`min_exit_layer`, which need not be layer 1), per row.
     """
 
     def __init__(self, patience: int = 2):
@@ -274,6 +277,7 @@ class PatienceExit(ExitController):
     def reset(self) -> None:
         self._predictions = torch.empty(0, dtype=torch.long)
         self._streaks = torch.empty(0, dtype=torch.long)
+        self._last_layer = 0
 
     def __call__(self, state: ExitState) -> torch.BoolTensor:
         predictions = state.logits().argmax(dim=-1)
@@ -284,8 +288,9 @@ class PatienceExit(ExitController):
             grown[: self._predictions.numel()] = self._predictions.to(predictions.device)
             self._predictions = grown
             self._streaks = torch.zeros(size, dtype=torch.long, device=predictions.device)
-        if state.layer == 1:
-            self._predictions[rows] = -1
+        if state.layer <= self._last_layer:  # a new token's trip (or a new pass): nothing carries over
+            self._predictions.fill_(-1)
+        self._last_layer = state.layer
         same = self._predictions[rows] == predictions
         self._streaks[rows] = torch.where(same, self._streaks[rows] + 1, torch.ones_like(predictions))
         self._predictions[rows] = predictions

@@ -205,10 +205,9 @@ def thresholds_per_row(value: dict[str, Any], requests: int | None, rows_per_req
     the decoder (which runs each request's beams and returned sequences as `rows_per_request` rows), repeated."""
     value = dict(value)
     for name in THRESHOLD_RANGES:
-        threshold = value[name]
-        if threshold is None or isinstance(threshold, (int, float)):
+        values = value[name] = None if value[name] is None else per_row(value[name])
+        if not isinstance(values, torch.Tensor):
             continue
-        values = per_row(threshold)
         if requests is not None and values.shape[0] != requests:
             raise ValueError(f"`{name}` has {values.shape[0]} values: give one per request of the batch ({requests}).")
         value[name] = values.repeat_interleave(rows_per_request) if name in DECODER_THRESHOLDS else values

@@ -710,6 +710,23 @@ def test_a_user_controller_sees_the_documented_state(model):
     assert max(step for _, _, step, *_ in seen) == NEW_TOKENS - 1
 
 
+def test_whole_numbers_and_scalar_tensors_are_thresholds_like_floats(model):
+    """A patience threshold is a layer count, and 1 a fraction like 1.0: the model config takes them as a call does;
+    a 0-d tensor or a NumPy number is the number it holds."""
+    import numpy as np
+
+    from hf_earlyexit import OFAEarlyExitConfig
+
+    config = OFAEarlyExitConfig(
+        exit_policy="patience", exit_threshold=2, batch_stop_fraction=1, encoder_exit_threshold=0
+    )
+    assert (config.exit_threshold, config.batch_stop_fraction) == (2, 1)
+    inputs = batch_of(2)
+    expected = generate(model, inputs, "greedy", exit_threshold=0.5).sequences
+    for threshold in (torch.tensor(0.5), np.float32(0.5)):
+        assert torch.equal(generate(model, inputs, "greedy", exit_threshold=threshold).sequences, expected)
+
+
 def test_a_cache_built_for_another_strategy_is_refused(model):
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 

@@ -135,6 +135,21 @@ def test_patience_counts_unchanged_predictions_per_row_and_restarts_each_token()
     assert [d.tolist() for d in decisions] == [[False, False], [True, False], [True], [False, False]]
 
 
+def test_patience_restarts_at_each_tokens_first_asked_layer_whatever_it_is():
+    """With `min_exit_layer=2` a token's first question comes after layer 2: the streak of the token before must not
+    carry over (which would also make keep and compact differ, and follow the wrong beam)."""
+    controller = PatienceExit(patience=2)
+    a = torch.tensor([[5.0, 0.0, 0.0]])
+    hidden = torch.zeros(1, 1, 3)
+    decisions = [
+        controller(state(hidden, logits=a, layer=2)),
+        controller(state(hidden, logits=a, layer=3)),
+        controller(state(hidden, logits=a, layer=2, step=1)),
+        controller(state(hidden, logits=a, layer=3, step=1)),
+    ]
+    assert [d.tolist() for d in decisions] == [[False], [True], [False], [True]]
+
+
 def test_controller_list_stops_when_any_member_does():
     class Never(ExitController):
         def __call__(self, exit_state):
