@@ -274,18 +274,24 @@ def attend_runs(
     value: torch.Tensor,
     bias: torch.Tensor,
     rows: ActiveRows,
+    output_attentions: bool = False,
     **kwargs,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attention` of the queries of `rows` [rows, heads, q, head_dim] over their runs of the whole batch's keys and
-    values [batch, ...], a view per contiguous run: [rows, q, heads, head_dim]."""
-    outputs, offset = [], 0
+    values [batch, ...], a view per contiguous run: [rows, q, heads, head_dim], and with `output_attentions` the
+    probabilities [rows, heads, q, kv] (the runs share the batch's kv length, so they stack by row)."""
+    outputs, weights, offset = [], [], 0
     for start, end in rows.runs:
         size = end - start
         run_bias = bias if bias.shape[0] == 1 else bias[offset : offset + size]
-        out, _ = attention(module, query[offset : offset + size], key[start:end], value[start:end], run_bias, **kwargs)
+        out, run_weights = attention(
+            module, query[offset : offset + size], key[start:end], value[start:end], run_bias, **kwargs
+        )
         outputs.append(out)
+        if output_attentions:
+            weights.append(run_weights)
         offset += size
-    return torch.cat(outputs)
+    return torch.cat(outputs), torch.cat(weights) if output_attentions else None
 
 
 class OFAAttention(nn.Module):
@@ -333,8 +339,9 @@ class OFAAttention(nn.Module):
         if rows is None:
             out, weights = attention(self, query, key, value, bias, scaling=self.scaling, dropout=dropout)
         else:
-            out = attend_runs(attention, self, query, key, value, bias, rows, scaling=self.scaling, dropout=dropout)
-            weights = None
+            out, weights = attend_runs(
+                attention, self, query, key, value, bias, rows, output_attentions, scaling=self.scaling, dropout=dropout
+            )
         if self.c_attn is not None:
             out = out * self.c_attn[:, None]  # [rows, q, heads, head_dim]
         out = out.reshape(*hidden_states.shape[:-1], -1)

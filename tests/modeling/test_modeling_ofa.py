@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from hf_earlyexit.convert import clean_state_dict, infer_config, load_converted_model
+from hf_earlyexit.modeling.exit_controllers import FixedLayerExit
 from hf_earlyexit.modeling.modeling_ofa import image_relative_buckets, shift_tokens_right, token_relative_buckets
 from tests.helpers import tiny_inputs, tiny_model
 
@@ -191,6 +192,34 @@ def test_cache_step_equals_full_prefix_logits():
             use_cache=True,
         )
     torch.testing.assert_close(torch.cat([first.logits, rest.logits], dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_compacted_rows_return_every_layers_attentions(attn_implementation):
+    """Under `row_exit="compact"` deeper layers run on the remaining rows only, reading the batch's cache by runs of
+    rows: each layer's attentions must still come back, the running rows' as under `keep`, zeros for rows that left."""
+    depth = 4
+    model = tiny_model(attn_implementation=attn_implementation, decoder_layers=depth, encoder_layers=3)
+    inputs = tiny_inputs(batch=4, seed=4)
+    # Rows exit at layers 1-4, varying by step, so a layer runs on non-contiguous rows (several runs) at some steps.
+    exits = FixedLayerExit(lambda state: (state.rows + 2 * state.step) % depth + 1)
+    outputs = {}
+    for row_exit in ("keep", "compact"):
+        with torch.no_grad():
+            outputs[row_exit] = model.generate(
+                **inputs, max_new_tokens=4, return_dict_in_generate=True, output_attentions=True,
+                exit_controller=exits, kv_strategy="recompute", row_exit=row_exit,
+            )  # fmt: skip
+    kept, compacted = outputs["keep"], outputs["compact"]
+    assert torch.equal(kept.sequences, compacted.sequences)
+    for step, exit_layers in enumerate(compacted.exit_layers.T):
+        for layer in range(depth):
+            running = exit_layers > layer
+            for name in ("decoder_attentions", "cross_attentions"):
+                ours, theirs = getattr(compacted, name)[step][layer], getattr(kept, name)[step][layer]
+                assert ours is not None, f"step {step}, layer {layer}: no {name}"
+                torch.testing.assert_close(ours[running], theirs[running], atol=1e-5, rtol=0)
+                assert not ours[~running].any()
 
 
 def test_decoding_from_the_position_table_equals_the_per_step_biases():
