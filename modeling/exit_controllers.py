@@ -40,6 +40,8 @@ class ExitState:
     max_steps: new tokens the generation may produce (threshold schedules decay over it).
     attention_mask: [rows, length], 1 for real tokens (None: all real); the similarity ignores pads with it.
     logits_fn: computes the exit head's logits for the newest position, [rows, vocab]; called at most once.
+    waiting: which of `rows` have not stopped yet, [rows] (None: all); rows that stopped may run on with the batch
+        (`row_exit="keep"`), and a decision for the whole batch must not depend on whether they do.
     """
 
     part: str
@@ -52,6 +54,7 @@ class ExitState:
     max_steps: int = 1
     attention_mask: torch.Tensor | None = None
     logits_fn: Callable[[], torch.Tensor] | None = None
+    waiting: torch.Tensor | None = None
     _logits: torch.Tensor | None = field(default=None, repr=False)
 
     def logits(self) -> torch.Tensor:
@@ -210,8 +213,8 @@ class SimilarityExit(ThresholdExit):
     """MuE: stop when a layer barely changes its input, cos(h_l, h_{l-1}) > threshold.
 
     reduction="row" compares each row's real tokens (flattened over tokens and channels); reduction="batch"
-    flattens the whole batch into one vector, padding included, and gives every row the same decision, as the
-    official MuE code does. Computed in float32 (float16 makes thresholds near 0.99 noisy).
+    flattens the rows still waiting into one vector, padding included, and gives every row the same decision, as the
+    official MuE code does with its batch. Computed in float32 (float16 makes thresholds near 0.99 noisy).
     """
 
     score_range = (-1.0, 1.0)
@@ -226,7 +229,8 @@ class SimilarityExit(ThresholdExit):
         current, previous = state.hidden_states.float(), state.previous_hidden_states.float()
         rows = current.shape[0]
         if self.reduction == "batch":
-            similarity = F.cosine_similarity(current.reshape(1, -1), previous.reshape(1, -1), dim=-1)
+            counted = slice(None) if state.waiting is None else state.waiting
+            similarity = F.cosine_similarity(current[counted].reshape(1, -1), previous[counted].reshape(1, -1), dim=-1)
             return similarity.expand(rows)
         if state.attention_mask is not None:
             real = state.attention_mask[..., None].to(current.dtype)

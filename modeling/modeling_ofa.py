@@ -748,6 +748,7 @@ class OFAEncoder(nn.Module):
                 rows=exits.running,
                 num_layers=len(layers),
                 attention_mask=real_tokens,
+                waiting=exits.waiting_running,
             )
             stop = checked_decision(controller(state), state, controller)
             carried = (hidden_states, absolute, text_buckets, real_tokens)
@@ -1478,6 +1479,7 @@ class OFADecoder(nn.Module):
             max_steps=exit_settings.max_steps,
             attention_mask=query_mask,
             logits_fn=lambda: self.exit_logits(exit_state()[:, -1]),
+            waiting=exits.waiting_running,
         )
         stop = checked_decision(exit_settings.decoder(state), state, exit_settings.decoder)
         if finished is None:

@@ -222,6 +222,11 @@ class RowExits:
         self._earlier_stops = False
         self._states: dict[str, torch.Tensor] = {}  # name -> [batch, ...], filled at the rows that kept one
 
+    @property
+    def waiting_running(self) -> torch.Tensor | None:
+        """Which running rows wait [running rows], None while all of them do (no stopped row runs on)."""
+        return None if self.waiting_count == len(self.running) else self.waiting
+
     def stop(self, layer: int, stop: torch.Tensor, ready: States, leaving: States, carried: tuple) -> tuple:
         """The waiting rows where `stop` [running rows] is True are ready after `layer` (1-based): they keep their
         `ready` states (name -> this layer's [running rows, ...] states, e.g. the exit head's input; a callable is

@@ -58,6 +58,11 @@ def test_similarity_batch_reduction_is_one_decision_like_the_official_code():
     expected = F.cosine_similarity(current.reshape(1, -1), previous.reshape(1, -1)).item()
     scores = SimilarityExit(0.5, reduction="batch").score(state(current, previous))
     assert scores.tolist() == pytest.approx([expected, expected])
+    # A row that stopped but runs on with its batch (`row_exit="keep"`) is left out, as if it had left the layers.
+    waiting = state(current, previous)
+    waiting.waiting = torch.tensor([True, False])
+    alone = F.cosine_similarity(current[:1].reshape(1, -1), previous[:1].reshape(1, -1)).item()
+    assert SimilarityExit(0.5, reduction="batch").score(waiting).tolist() == pytest.approx([alone, alone])
 
 
 @pytest.mark.parametrize(
