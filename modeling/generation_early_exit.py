@@ -169,11 +169,12 @@ class EarlyExitSettings:
         depth: int,
         device: torch.device,
         costs: Callable[[], LayerCosts],
-        finished: torch.Tensor | None = None,
+        discarded: torch.Tensor | None = None,
     ) -> RowExits:
         """The row-exit mechanism of one layer loop of `part` under this plan. `costs()` measures (once per shape)
         what `row_exit="auto"` decides with, asked only when a row is ready while others go on. The batch-level rules
-        are the decoder's; the rows `generate` has `finished` [batch] do not count toward its stop fraction."""
+        are the decoder's; rows whose output `generate` throws away (`discarded` [batch]: finished) do not count toward
+        its stop fraction."""
         decoder = part == "decoder"
         plan = self.row_exit
         if plan == "auto" and (batch_size == 1 or (decoder and self.exit_token_layer == "batch")):
@@ -185,7 +186,7 @@ class EarlyExitSettings:
             plan=AutoPlan(costs) if plan == "auto" else KeepPlan() if plan == "keep" else CompactPlan(),
             token_from_batch_layer=decoder and self.exit_token_layer == "batch",
             stop_fraction=self.batch_stop_fraction if decoder else 1.0,
-            discarded=finished,
+            discarded=discarded,
         )
 
     def reset_controllers(self) -> None:
