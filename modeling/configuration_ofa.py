@@ -276,9 +276,14 @@ class OFAEarlyExitConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         # Check here too: `@strict` wraps validator errors in its own (non-ValueError) exception type.
+        self.check()
+        super().__post_init__(**kwargs)
+
+    def check(self) -> None:
+        """Every field and exit knob, a ValueError naming the first that is wrong. The model checks its config again:
+        `from_pretrained(..., field=value)` sets its overrides after the config was built."""
         self.validate_architecture()
         check_knobs({name: getattr(self, name, default) for name, default in EXIT_KNOBS.items()}, self)
-        super().__post_init__(**kwargs)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "OFAEarlyExitConfig":

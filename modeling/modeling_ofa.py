@@ -1711,6 +1711,7 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
     }
 
     def __init__(self, config: OFAEarlyExitConfig):
+        config.check()  # `from_pretrained`'s overrides arrive after the config's own checks
         super().__init__(config)
         self.encoder = OFAEncoder(config)
         self.decoder = OFADecoder(config)

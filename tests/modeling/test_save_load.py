@@ -159,3 +159,19 @@ def test_model_and_processor_folder_loads_as_remote_code_and_as_local_classes(tm
     knobs = {"max_new_tokens": 5, "exit_threshold": 0.5, "exit_policy": "confidence"}
     expected = processor.batch_decode(model.generate(**batch, **knobs), skip_special_tokens=True)
     assert [record["generated_text"] for record in outputs["batch"]] == expected
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"exit_transformer_layers": [9]}, "exit_transformer_layers"),
+        ({"exit_adapter_dim": 8, "exit_transformer_layers": [1]}, "not both"),
+        ({"exit_adapter_dim": -2}, "exit_adapter_dim"),
+        ({"exit_policy": "bogus"}, "exit_policy"),
+    ],
+)
+def test_bad_config_overrides_at_load_are_refused_like_a_bad_config(tmp_path, overrides, message):
+    """`from_pretrained(dir, field=value)` sets its overrides after the config's checks ran: the model checks again."""
+    tiny_model().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        AutoModel.from_pretrained(tmp_path, **overrides)
