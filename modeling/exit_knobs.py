@@ -8,6 +8,8 @@ config (where calibration writes its choice), then in the model config (the mode
 A leaf: it imports nothing of the model, so the config and the exit controllers can both read it.
 """
 
+import difflib
+import functools
 from typing import Any, Literal, get_args
 
 ExitPolicy = Literal["similarity", "confidence", "margin", "patience"]
@@ -164,6 +166,8 @@ def resolve_knobs(config: Any, generation_config: Any = None, **given: Any) -> d
     unknown = sorted(set(given) - set(EXIT_KNOBS))
     if unknown:
         raise ValueError(f"Unknown early-exit knob(s) {unknown}; the knobs are {list(EXIT_KNOBS)}.")
+    for source, where in ((generation_config, "generation config"), (config, "model config")):
+        check_no_misspelt_knob(source, where)
     values = {}
     for name, default in EXIT_KNOBS.items():
         if name in given:
@@ -174,6 +178,25 @@ def resolve_knobs(config: Any, generation_config: Any = None, **given: Any) -> d
             values[name] = getattr(config, name, default)
     check_knobs(values, config)
     return values
+
+
+def check_no_misspelt_knob(source: Any, where: str) -> None:
+    """A saved entry named almost like a knob (`exit_treshold`) would be ignored: a ValueError naming both. Only the
+    entries that `source`'s class does not define by itself are compared."""
+    entries = getattr(source, "__dict__", {}).keys() - own_entries(type(source)) - EXIT_KNOBS.keys()
+    for name in entries:
+        close = difflib.get_close_matches(name, EXIT_KNOBS, n=1, cutoff=0.8)
+        if close:
+            raise ValueError(f"The {where} has `{name}`, which is no early-exit knob: did you mean `{close[0]}`?")
+
+
+@functools.cache
+def own_entries(kind: type) -> frozenset[str]:
+    """The entries a config class sets by itself (none where it cannot be built without arguments)."""
+    try:
+        return frozenset(vars(kind()))
+    except TypeError:
+        return frozenset()
 
 
 def drafts_with_exit_knobs(given: dict[str, Any]) -> bool:

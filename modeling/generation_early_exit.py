@@ -263,10 +263,12 @@ class ExitLayerLog:
 
     decoder_steps: per decoding step, its output's `exit_layers` [rows]. encoder: the encoder output's
     `exit_layers` [batch, 2] when `generate` ran the encoder (None when `encoder_outputs` were passed in).
+    end_token_ids: the call's end tokens, from greedy and sampling's loop (tokens after a row's end are padding).
     """
 
     decoder_steps: list[torch.Tensor] = field(default_factory=list)
     encoder: torch.Tensor | None = None
+    end_token_ids: torch.Tensor | None = None
 
 
 def new_cache(config: PreTrainedConfig, settings: EarlyExitSettings | None) -> EncoderDecoderCache:
@@ -353,12 +355,15 @@ class EarlyExitGenerationMixin(GenerationMixin):
             if isinstance(output, GenerateBeamEncoderDecoderOutput)
             else EarlyExitGenerateOutput
         )
-        exit_layers = generated_exit_layers(log.decoder_steps, output)
+        exit_layers = generated_exit_layers(log.decoder_steps, output, log.end_token_ids)
         return output_class(**output, exit_layers=exit_layers, encoder_exit_layers=encoder_exit_layers)
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):  # fmt: skip
         settings = model_kwargs.get("exit_settings")
+        log = model_kwargs.get("exit_layer_log")
+        if log is not None:
+            log.end_token_ids = generation_config._eos_token_tensor
         if settings is None or settings.exit_mode != "speculative":
             if settings is not None and settings.decoder is not None:
                 end_tokens = generation_config._eos_token_tensor
@@ -522,13 +527,20 @@ def check_draft_length(draft_tokens: Any, schedule: Any) -> None:
         raise ValueError(f"`num_assistant_tokens_schedule` must be one of {list(DRAFT_SCHEDULES)}; got {schedule!r}.")
 
 
-def generated_exit_layers(decoder_steps: list[torch.Tensor], output: GenerateEncoderDecoderOutput) -> torch.LongTensor:
-    """Decoder layers per returned token, [rows, new_tokens]: each step's layers, followed through the beams that
-    produced each token (`beam_indices`) in beam search."""
+def generated_exit_layers(
+    decoder_steps: list[torch.Tensor], output: GenerateEncoderDecoderOutput, end_token_ids: torch.Tensor | None = None
+) -> torch.LongTensor:
+    """Decoder layers per returned token, [rows, new_tokens], 0 past a row's end: each step's layers, followed
+    through the beams that produced each token (`beam_indices`) in beam search; in greedy and sampling's loop, which
+    pads a row after its end token (one of `end_token_ids`), 0 after that token."""
     steps = torch.stack(decoder_steps, dim=0)  # [steps, running rows]: one decoder forward per new token
     beam_indices = getattr(output, "beam_indices", None)
     if beam_indices is None:
-        return steps.T.contiguous()
+        layers = steps.T.contiguous()
+        if end_token_ids is None:
+            return layers
+        ends = torch.isin(output.sequences[:, -layers.shape[1] :], end_token_ids.to(layers.device)).long()
+        return layers.masked_fill(ends.cumsum(dim=1) - ends > 0, 0)  # an end token before this one
     beam_indices = beam_indices.long()
     taken = steps.gather(1, beam_indices.clamp(min=0).T.to(steps.device)).T
     return taken.masked_fill(beam_indices.to(steps.device) < 0, 0)

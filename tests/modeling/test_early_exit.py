@@ -945,3 +945,29 @@ def test_stop_strings_stop_decoding_in_every_mode():
         for knobs in (NO_EXIT, {}, {"exit_mode": "speculative"}):
             text = processor.batch_decode(embedded.generate(**inputs, **options, **knobs), skip_special_tokens=True)
             assert text[0].endswith("purple"), (knobs, text)
+
+
+def test_a_misspelt_knob_saved_in_a_config_is_refused_not_ignored(model):
+    inputs = batch_of(1)
+    with pytest.raises(ValueError, match="exit_treshold.*did you mean `exit_threshold`"):
+        model.generate(**inputs, generation_config=GenerationConfig(max_new_tokens=2, exit_treshold=0.1))
+    for config, where in ((model.generation_config, "generation config"), (model.config, "model config")):
+        config.kv_strategie = "copy"
+        try:
+            with pytest.raises(ValueError, match=f"{where} has `kv_strategie`.*`kv_strategy`"):
+                model.generate(**inputs, max_new_tokens=2)
+        finally:
+            del config.kv_strategie
+
+
+def test_greedy_exit_layers_are_zero_past_a_rows_end_as_in_beam_search(model):
+    inputs = batch_of(4)
+    full = generate(model, inputs, "greedy", **NO_EXIT)
+    end = int(full.sequences[0, 1])  # row 0's first token: its end, and that of rows that start alike
+    for mode in ("greedy", "sample"):
+        out = generate(model, inputs, mode, exit_controller=mixed_exits(), eos_token_id=end)
+        new = out.sequences[:, 1:]
+        ended = new == end
+        past_end = ended.cumsum(dim=1) - ended.long() > 0
+        assert bool(past_end.any()), mode
+        assert bool((out.exit_layers[past_end] == 0).all()) and bool((out.exit_layers[~past_end] > 0).all()), mode
