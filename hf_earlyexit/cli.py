@@ -42,6 +42,25 @@ def given_knobs(args: argparse.Namespace) -> dict[str, Any]:
 OFF = "none"  # a knob's value on the command line for None: no exit, no bound
 
 
+def positive_int(text: str) -> int:
+    """An argparse type for counts (beams, tokens, steps): a whole number of at least 1."""
+    value = int(text) if text.strip().lstrip("+").isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def task_list(text: str) -> list[str]:
+    """`--tasks`: comma-separated task names, checked before anything loads."""
+    from .tasks import TASKS
+
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in TASKS]
+    if unknown:
+        raise ValueError(f"Unknown task {unknown[0]!r} in --tasks; tasks are {list(TASKS)}.")
+    return names
+
+
 def threshold_or_off(text: str) -> float | str:
     """A threshold knob's command-line value: a number, or 'none' (`OFF`)."""
     return OFF if text.strip().lower() == OFF else float(text)
@@ -101,8 +120,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from .sharding import is_main_process
 
     check_samples(args)
+    given = given_knobs(args)
+    if args.full and given:
+        raise ValueError(f"--full runs the full model: drop the exit knobs {sorted(given)}.")
     model, processor = load_for_this_process(args.model_dir)
-    knobs = run_knobs(model, args.full, **given_knobs(args))
+    knobs = run_knobs(model, args.full, **given)
     report = evaluate_task(
         model, processor, args.task, args.split, args.samples, args.batch_size, knobs, args.meteor, progress=True,
         against_full=args.against_full,
@@ -128,7 +150,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from .sharding import is_main_process
 
     risk = parse_risk(args.risk) if args.risk else None
-    risk_levels(risk, args.tasks.split(","), args.delta)  # checked before the model loads
+    risk_levels(risk, task_list(args.tasks), args.delta)  # checked before the model loads
 
     args.samples, args.batch_size = args.samples or 300, args.batch_size or 64
     check_samples(args)
@@ -163,6 +185,7 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
     from .draft_calibration import DRAFT_THRESHOLDS, calibrate_drafts, check_batch_sizes, drafting_grid
 
     one_process("calibrate --exit-mode speculative")
+    task_list(args.tasks)  # checked before the model loads
 
     unused = [
         flag for flag, value in (("--encoder-thresholds", args.encoder_thresholds), ("--plot", args.plot)) if value
@@ -241,7 +264,8 @@ def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> di
 
     if args.forced_exit is None and not args.training_step:
         raise ValueError("Give a model folder, --forced-exit K or --training-step.")
-    batch_sizes = tuple(int(size) for size in args.batch_sizes.split(",")) if args.batch_sizes else ()
+    message = "--batch-sizes must be comma-separated integers"
+    batch_sizes = tuple(parse_list(args.batch_sizes, int, message)) if args.batch_sizes else ()
     if any(size < 1 for size in batch_sizes) or args.repeats < 1 or args.new_tokens < 1:
         raise ValueError("--batch-sizes, --repeats and --new-tokens must be positive.")
     if args.training_step:
@@ -342,7 +366,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-column", default="answer")
     parser.add_argument("--prompt", default=CAPTION_PROMPT)
     parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--max-steps", type=int, default=1000)
+    parser.add_argument("--max-steps", type=positive_int, default=1000)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
 
@@ -391,9 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("model_dir")
     caption.add_argument("images", nargs="+")
     caption.add_argument("--prompt", default=CAPTION_PROMPT)
-    caption.add_argument("--num-beams", type=int, help="default 5; 1 with --exit-mode speculative")
+    caption.add_argument("--num-beams", type=positive_int, help="default 5; 1 with --exit-mode speculative")
     caption.add_argument("--exit-mode", dest="exit_mode", choices=EXIT_MODES, help="exit (lossy) or speculative")
-    caption.add_argument("--max-new-tokens", type=int, default=16)
+    caption.add_argument("--max-new-tokens", type=positive_int, default=16)
     caption.add_argument("--batch-size", type=int, default=8, help="images per generate call (default 8)")
     caption.set_defaults(run=cmd_caption)
 

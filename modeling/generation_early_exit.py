@@ -311,6 +311,11 @@ class EarlyExitGenerationMixin(GenerationMixin):
     the exit happens inside `forward`, and the cache is an `EarlyExitCache`."""
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs):
+        if kwargs.get("decoder_inputs_embeds") is not None:  # Transformers' loop appends ids to ids
+            raise ValueError(
+                "`generate` starts the decoder from token ids: give a decoder prompt as `decoder_input_ids`; "
+                "`decoder_inputs_embeds` is for `forward`."
+            )
         knobs = {name: kwargs.pop(name) for name in EXIT_KNOBS if name in kwargs}
         settings = kwargs.pop("exit_settings", None)
         if settings is not None and knobs:

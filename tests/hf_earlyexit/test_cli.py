@@ -325,6 +325,10 @@ def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys):
         (["eval", "{m}", "--task", "vqa", "--exit-threshold", "0.9", "--max-exit-layer", "0"], "max_exit_layer"),
         (["eval", "{m}", "--task", "vqa", "--exit-threshold", "0.9", "--batch-stop-fraction", "2"], "batch_stop"),
         (["calibrate", "{m}", "--tasks", "ocr"], "Unknown task 'ocr'"),
+        (["calibrate", "{m}", "--tasks", "vqa,foo"], "Unknown task 'foo'"),
+        (["calibrate", "{m}", "--exit-mode", "speculative", "--tasks", "vqa,foo"], "Unknown task 'foo'"),
+        (["bench", "--forced-exit", "1", "--batch-sizes", "a"], "--batch-sizes must be comma-separated integers"),
+        (["eval", "{m}", "--task", "vqa", "--full", "--exit-threshold", "0.5"], "--full runs the full model"),
         (["bench", "{m}", "--forced-exit", "1"], "not both"),
         *(
             [(["bench", "{m}", "--task", "vqa", "--exit-threshold", "0.5", "--device", "cuda"], "no CUDA device")]
@@ -351,3 +355,19 @@ def test_demo_uses_the_embedded_model_and_shows_exit_layers_and_savings(tmp_path
     assert "speculative (lossless): the full model's outputs" in out
     assert "[caption] what does the image describe? -> " in out and ("(1)" in out or "(2)" in out)
     assert (tmp_path / "demo" / "caption_exits.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["caption", "m", "image.png", "--num-beams", "-1"],
+        ["caption", "m", "image.png", "--num-beams", "0"],
+        ["caption", "m", "image.png", "--max-new-tokens", "0"],
+        ["train", "--max-steps", "0"],
+    ],
+)
+def test_counts_below_one_are_refused_before_anything_runs(capsys, argv):
+    with pytest.raises(SystemExit) as exit_status:
+        main(argv)
+    assert exit_status.value.code == 2
+    assert f"argument {argv[-2]}: must be a positive integer, got '{argv[-1]}'" in capsys.readouterr().err

@@ -971,3 +971,9 @@ def test_greedy_exit_layers_are_zero_past_a_rows_end_as_in_beam_search(model):
         past_end = ended.cumsum(dim=1) - ended.long() > 0
         assert bool(past_end.any()), mode
         assert bool((out.exit_layers[past_end] == 0).all()) and bool((out.exit_layers[~past_end] > 0).all()), mode
+
+
+def test_generate_refuses_decoder_inputs_embeds_with_a_message_that_says_what_to_pass(model):
+    embeds = model.get_input_embeddings()(torch.tensor([[0]]))
+    with pytest.raises(ValueError, match="decoder_input_ids"):
+        model.generate(**batch_of(1), decoder_inputs_embeds=embeds, max_new_tokens=2)
