@@ -913,14 +913,19 @@ def test_a_passed_generation_config_is_completed_by_the_models_as_transformers_d
     assert out.exit_layers.min() < DEPTH and per_request.shape[0] == 2
 
 
-def test_exits_beside_a_passed_generation_config_add_no_kwargs_warning(model, caplog):
+def test_exits_beside_a_passed_generation_config_add_no_kwargs_warning(model, monkeypatch):
     """The cache that exits need is set on the call's config, not passed as a kwarg beside it (which Transformers
     warns about)."""
-    with caplog.at_level("WARNING"), torch.no_grad():
+    import transformers.generation.utils as generation_utils
+
+    warnings = []
+    monkeypatch.setattr(generation_utils.logger, "warning_once", lambda message, *args: warnings.append(message))
+    with torch.no_grad():
         model.generate(
             **batch_of(1), generation_config=GenerationConfig(max_new_tokens=3), exit_controller=mixed_exits()
         )
-    assert "deprecated" not in caplog.text
+        model.generate(**batch_of(1), generation_config=GenerationConfig(max_new_tokens=3), use_cache=True)
+    assert len(warnings) == 1 and "deprecated" in warnings[0]  # the second call's own kwarg only
 
 
 def test_measuring_the_layer_costs_leaves_a_seeded_sampling_call_unchanged(model):
