@@ -105,12 +105,7 @@ def assemble(
         plot = model_dir / "tradeoff.png" if (model_dir / "tradeoff.png").is_file() else None
     elif not Path(plot).is_file():
         raise ValueError(f"No plot at {plot}.")
-    if output_dir.resolve() == model_dir.resolve():
-        raise ValueError("The output folder must not be the model folder.")
-    if output_dir.exists() and any(output_dir.iterdir()):
-        if not (output_dir / "config.json").is_file():
-            raise ValueError(f"{output_dir} exists and is not a model folder: give another --output-dir.")
-        check_model_dir(output_dir)  # a previous assembly: replaced
+    if check_replaceable(output_dir, model_dir):
         shutil.rmtree(output_dir)
 
     model = EarlyExitOFAForConditionalGeneration.from_pretrained(model_dir)
@@ -134,7 +129,32 @@ def assemble(
         **card_fields,
     )
     (output_dir / "README.md").write_text(card)
+    (output_dir / ASSEMBLY_MANIFEST).write_text("".join(f"{path.name}\n" for path in sorted(output_dir.iterdir())))
     return output_dir
+
+
+# What `assemble` wrote, so that a later run replaces exactly that and nothing a user put beside it.
+ASSEMBLY_MANIFEST = ".hf-earlyexit-assembly"
+
+
+def check_replaceable(output_dir: Path, model_dir: Path) -> bool:
+    """Whether `output_dir` holds a previous assembly to replace (False: it is absent or empty). ValueError when it
+    holds, lies in or is the model folder, or holds anything `assemble` did not write there."""
+    output, source = output_dir.resolve(), model_dir.resolve()
+    if output == source or output in source.parents or source in output.parents:
+        raise ValueError(f"The output folder {output_dir} must not be, hold or lie in the model folder {model_dir}.")
+    if not output_dir.exists() or not any(output_dir.iterdir()):
+        return False
+    manifest = output_dir / ASSEMBLY_MANIFEST
+    written = set(manifest.read_text().split()) if manifest.is_file() else set()
+    others = sorted(path.name for path in output_dir.iterdir() if path.name not in written | {ASSEMBLY_MANIFEST})
+    if not written or others:
+        holds = f"it also holds {others[:3]}" if written else "no record of an assembly"
+        raise ValueError(
+            f"{output_dir} exists and is not a model folder that `publish` assembled alone ({holds}): give another "
+            "--output-dir."
+        )
+    return True
 
 
 # Runs in a fresh interpreter: `hf_earlyexit` cannot be imported, the Hub is offline, the modules cache is new.
@@ -268,7 +288,13 @@ def publish(
     api = HfApi(token=token)
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message, repo_type="model")
+        api.upload_folder(
+            repo_id=repo_id,
+            folder_path=folder,
+            commit_message=commit_message,
+            repo_type="model",
+            ignore_patterns=[ASSEMBLY_MANIFEST],
+        )
     except Exception as error:  # whatever the network or the Hub raised, the user must learn where the folder is
         raise PublishError(
             f"Uploading to {repo_id} failed ({type(error).__name__}: {error}); the folder is kept at {folder}.",

@@ -3,6 +3,7 @@ the validation in a process without hf_earlyexit, the upload through a patched h
 
 import json
 import os
+import shutil
 from unittest import mock
 
 import pytest
@@ -88,6 +89,7 @@ def test_folder_has_weights_code_processor_and_auto_maps(assembled):
         "benchmark.jsonl",
         "training_recipe.json",
         "calibration.json",
+        publishing.ASSEMBLY_MANIFEST,  # what it wrote, so that a later run replaces only that; not uploaded
     }
     config = json.loads((assembled / "config.json").read_text())
     model_class = "modeling_ofa.EarlyExitOFAForConditionalGeneration"
@@ -170,6 +172,7 @@ def test_publish_creates_the_repo_and_uploads_the_validated_folder(model_dir, tm
         folder_path=tmp_path / "out",
         commit_message="Upload OFA-EE model with hf-earlyexit",
         repo_type="model",
+        ignore_patterns=[publishing.ASSEMBLY_MANIFEST],
     )
     assert published.url == f"https://huggingface.co/{REPO_ID}"
     assert published.validation["hf_earlyexit_imported"] is False
@@ -220,6 +223,31 @@ def test_bad_input_is_a_clear_error(model_dir, tmp_path, no_validation, repo_id,
             (source / "config.json").write_text(json.dumps({**config, "model_type": "bart"}))
     with pytest.raises(ValueError, match=match):
         publish(source, repo_id, output_dir=tmp_path / "out", dry_run=True)
+
+
+def test_a_previous_assembly_is_replaced_but_nothing_a_user_put_beside_it(model_dir, tmp_path, no_validation):
+    out = tmp_path / "out"
+    publish(model_dir, REPO_ID, output_dir=out, dry_run=True)
+    publish(model_dir, REPO_ID, output_dir=out, dry_run=True)  # replaced: a second run after a fix
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not a model folder that `publish` assembled alone.*notes.txt"):
+        publish(model_dir, REPO_ID, output_dir=out, dry_run=True)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
+
+
+def test_an_output_folder_holding_the_model_folder_is_refused_before_anything_is_removed(model_dir, tmp_path):
+    """`publish trainout/checkpoint-2 --output-dir trainout` would have removed the checkpoint it publishes."""
+    parent = tmp_path / "trainout"
+    shutil.copytree(model_dir, parent / "checkpoint-2")
+    for output in (parent, parent / "checkpoint-2", parent / "checkpoint-2" / "out"):
+        with pytest.raises(ValueError, match="must not be, hold or lie in the model folder"):
+            publish(parent / "checkpoint-2", REPO_ID, output_dir=output, dry_run=True)
+    assert (parent / "checkpoint-2" / "model.safetensors").is_file()
+    other_model = tmp_path / "other"
+    shutil.copytree(model_dir, other_model)  # another model's folder, not an assembly: kept
+    with pytest.raises(ValueError, match="no record of an assembly"):
+        publish(model_dir, REPO_ID, output_dir=other_model, dry_run=True)
+    assert (other_model / "model.safetensors").is_file()
 
 
 def test_output_folder_holding_other_files_is_not_overwritten(model_dir, tmp_path, no_validation):
