@@ -20,7 +20,7 @@ from .benchmark import measure_part_costs
 from .evaluation import Asks, TaskInputs, risk_losses, run_task, score, task_inputs
 from .measures import PartCosts, encoder_streams, expected_time_reduction
 from .modeling.exit_controllers import SimilarityExit, make_controller
-from .modeling.exit_knobs import ENCODER_PARTS, EXIT_KNOBS
+from .modeling.exit_knobs import DRAFT_KNOBS, ENCODER_PARTS, EXIT_KNOBS
 from .modeling.generation_early_exit import EarlyExitSettings
 from .risk_control import LossKind, check_risk, fixed_sequence_test, samples_needed
 from .sharding import from_main_process, is_main_process
@@ -232,6 +232,14 @@ def with_encoder_min_exit_layer(settings: dict[str, Any], points: Sequence[Opera
     if len(shallowest) != len(points):
         raise ValueError("Every point needs the shallowest encoder exit of its sweep.")
     return {**settings, "encoder_min_exit_layer": min(shallowest)}
+
+
+# The knobs of the lossy mode at their defaults; speculative mode's own (`exit_mode`, the drafts) are left as saved.
+LOSSY_DEFAULTS = {
+    name: value
+    for name, value in EXIT_KNOBS.items()
+    if name not in ("exit_controller", "exit_mode", "draft_max_batch_size", *DRAFT_KNOBS)
+}
 
 
 def write_generation_defaults(model, settings: dict[str, Any]) -> None:
@@ -458,7 +466,9 @@ def save_calibration(model, report: dict[str, Any], model_dir: str | Path) -> Pa
     calibration.json; returns the generation config's path. ValueError, nothing written, when nothing was chosen."""
     if report["chosen"] is None:
         raise ValueError(f"{not_chosen(report)}: nothing written.")
-    write_generation_defaults(model, report["chosen"])
+    # The grid ran each setting on top of no exit: the lossy knobs it did not set are saved at their defaults, or
+    # an earlier calibration's (an encoder threshold, a `max_exit_layer`) would stay and change what it measured.
+    write_generation_defaults(model, {**LOSSY_DEFAULTS, **report["chosen"]})
     model.generation_config.save_pretrained(model_dir)
     Path(model_dir, "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
     return Path(model_dir, "generation_config.json")

@@ -75,6 +75,15 @@ def check_samples(args: argparse.Namespace) -> None:
     # Before the model loads, and in the option's own name.
     if args.samples < 1:
         raise ValueError(f"--samples must be positive, got {args.samples}.")
+    if getattr(args, "batch_size", 1) < 1:
+        raise ValueError(f"--batch-size must be positive, got {args.batch_size}.")
+
+
+def with_default_samples(args: argparse.Namespace, samples: int, batch_size: int) -> None:
+    """`--samples` and `--batch-size` where not given (a 0 is given, and refused), checked."""
+    args.samples = samples if args.samples is None else args.samples
+    args.batch_size = batch_size if args.batch_size is None else args.batch_size
+    check_samples(args)
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -145,15 +154,21 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if args.exit_mode == "speculative":
         calibrate_drafts(args)
         return
-    from .calibration import DECODER_THRESHOLDS, ENCODER_THRESHOLDS, calibrate, not_chosen, risk_levels
+    from .calibration import (
+        DECODER_THRESHOLDS,
+        ENCODER_THRESHOLDS,
+        calibrate,
+        not_chosen,
+        risk_levels,
+        save_calibration,
+    )
     from .plots import tradeoff_plot
     from .sharding import is_main_process
 
     risk = parse_risk(args.risk) if args.risk else None
     risk_levels(risk, task_list(args.tasks), args.delta)  # checked before the model loads
 
-    args.samples, args.batch_size = args.samples or 300, args.batch_size or 64
-    check_samples(args)
+    with_default_samples(args, 300, 64)
     given = args.encoder_thresholds
     encoder_thresholds = ENCODER_THRESHOLDS if given is None else parse_floats(given) if given else ()  # '': none
     decoder_thresholds = policy_thresholds(args, DECODER_THRESHOLDS)
@@ -170,14 +185,18 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     report = calibrate(
         model, processor, *sweep, decoder_thresholds, encoder_thresholds, batch_rules,
         plot=(lambda sweeps, chosen: tradeoff_plot(sweeps, args.plot, chosen)) if args.plot else None,
-        write_to=args.model_dir if args.write else None,
         progress=not args.quiet,
         risk=risk,
     )  # fmt: skip
-    if is_main_process():
-        print_report(report, args.json)
-        if report["chosen"] is None:
-            print(f"{not_chosen(report)}.", file=sys.stderr)
+    if not is_main_process():
+        return
+    if args.write and report["chosen"] is not None:
+        report["written_to"] = str(save_calibration(model, report, args.model_dir))
+    print_report(report, args.json)  # also when nothing was chosen: the sweep's frontiers stay the user's
+    if report["chosen"] is None:
+        if args.write:
+            raise ValueError(f"{not_chosen(report)}: nothing written.")
+        print(f"{not_chosen(report)}.", file=sys.stderr)
 
 
 def calibrate_drafts(args: argparse.Namespace) -> None:
@@ -192,8 +211,7 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
     ]
     if unused:
         raise ValueError(f"{unused} have no meaning with --exit-mode speculative, whose output is the full model's.")
-    args.samples, args.batch_size = args.samples or 64, args.batch_size or 1
-    check_samples(args)
+    with_default_samples(args, 64, 1)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be positive, got {args.repeats}.")
     thresholds = policy_thresholds(args, DRAFT_THRESHOLDS)

@@ -160,6 +160,26 @@ def test_calibrate_with_a_risk_orders_on_a_tenth_and_certifies_on_the_rest(tmp_p
         calibrate(model, processor, ["vqa"], **{**sweep, "samples": 2}, risk=0.5, progress=False)
 
 
+def test_writing_a_choice_resets_the_lossy_knobs_it_does_not_set(tmp_path):
+    """The grid runs each setting on top of no exit: an earlier calibration's encoder exits or `max_exit_layer` must
+    not stay beside a choice that was measured without them. Speculative mode's own saved knobs stay."""
+    model = tiny_model(decoder_layers=4)
+    earlier = {
+        "encoder_exit_threshold": 0.9,
+        "max_exit_layer": 2,
+        "exit_mode": "speculative",
+        "draft_exit_threshold": 0.4,
+    }
+    for name, value in earlier.items():
+        setattr(model.generation_config, name, value)
+    chosen = {"exit_policy": "confidence", "exit_threshold": 0.5}
+    save_calibration(model, {"chosen": chosen, "tolerance": 0.01}, tmp_path)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert saved["exit_policy"] == "confidence" and saved["exit_threshold"] == 0.5
+    assert saved["encoder_exit_threshold"] is None and saved["max_exit_layer"] is None
+    assert saved["exit_mode"] == "speculative" and saved["draft_exit_threshold"] == 0.4
+
+
 def test_nothing_is_written_when_nothing_was_chosen(tmp_path):
     with pytest.raises(ValueError, match="within 1.0% of the full model: nothing written"):
         save_calibration(tiny_model(), {"chosen": None, "tolerance": 0.01}, tmp_path)

@@ -278,9 +278,13 @@ def test_calibrate_with_a_risk_says_when_nothing_is_certified_and_what_would_be(
     assert certificate["tested_samples"] == 6 and certificate["stopped_at"]["samples_needed"] == 161
     assert "No setting is certified on every task at its risk level (vqa 1.0%" in printed.err
     assert "{'vqa': 161}" in printed.err
-    assert main([*argv, *grid, "--risk", "0.01", "--delta", "0.2", "--write"]) == 2  # nothing to write: one line
-    err = capsys.readouterr().err.strip().splitlines()
+    assert main([*argv, *grid, "--risk", "0.01", "--delta", "0.2", "--write", "--json"]) == 2  # nothing to write
+    printed = capsys.readouterr()
+    kept = json.loads(printed.out)  # the sweep's report is kept
+    assert kept["chosen"] is None and kept["tasks"]["vqa"]["certificate"]["tested_samples"] == 6
+    err = printed.err.strip().splitlines()
     assert err[-1].startswith("hf-earlyexit: error: No setting is certified") and err[-1].endswith("nothing written.")
+    assert not any(line.startswith("No setting") for line in err)  # said once, as the error
     assert main([*argv, "--risk", "1.5"]) == 2 and "must lie in (0, 1)" in capsys.readouterr().err
     assert main([*argv, "--risk", "caption=0.1"]) == 2 and "No risk level for ['vqa']" in capsys.readouterr().err
     assert main([*argv, "--risk", "0.1,0.2"]) == 2 and "one per task" in capsys.readouterr().err
