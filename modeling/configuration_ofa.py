@@ -203,7 +203,9 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     # `__post_init__`: typed `Literal`, `@strict` would refuse a bad value with its own error instead of the
     # ValueError naming the field that every bad input here gets. Their `Literal` types live in `exit_knobs`.
     model_type = "ofa_early_exit"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # Outputs the Trainer leaves out of evaluation's predictions: the exits' hidden states would be gathered for
+    # every sample.
+    keys_to_ignore_at_inference = ["past_key_values", "exit_hidden_states"]
     attribute_map = {
         "num_attention_heads": "encoder_attention_heads",
         "hidden_size": "d_model",

@@ -1,5 +1,6 @@
 """Training arguments of `EarlyExitTrainer`: the Seq2Seq arguments plus the exit loss and its knobs."""
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -66,14 +67,17 @@ class EarlyExitTrainingArguments(Seq2SeqTrainingArguments):
             self.exit_loss_weights = ",".join(str(weight) for weight in self.exit_loss_weights)
         if self.exit_loss_weights not in WEIGHTINGS:
             self.explicit_weights()  # raises on a malformed list
-        if self.distill_temperature <= 0:
-            raise ValueError(f"`distill_temperature` must be positive, got {self.distill_temperature}.")
-        if self.adversarial_weight < 0:
-            raise ValueError(f"`adversarial_weight` must be >= 0, got {self.adversarial_weight}.")
+        # Written so that NaN fails each test (it compares False with everything); inf would train to NaN weights.
+        if not 0 < self.distill_temperature < math.inf:
+            raise ValueError(f"`distill_temperature` must be a positive number, got {self.distill_temperature}.")
+        if not 0 <= self.adversarial_weight < math.inf:
+            raise ValueError(f"`adversarial_weight` must be a number >= 0, got {self.adversarial_weight}.")
         if self.discriminator_hidden_size < 1:
             raise ValueError(f"`discriminator_hidden_size` must be positive, got {self.discriminator_hidden_size}.")
-        if self.discriminator_learning_rate <= 0:
-            raise ValueError(f"`discriminator_learning_rate` must be positive, got {self.discriminator_learning_rate}.")
+        if not 0 < self.discriminator_learning_rate < math.inf:
+            raise ValueError(
+                f"`discriminator_learning_rate` must be a positive number, got {self.discriminator_learning_rate}."
+            )
         if not 0 <= self.encoder_exit_sampling <= 1:
             raise ValueError(f"`encoder_exit_sampling` must lie in [0, 1], got {self.encoder_exit_sampling}.")
         super().__post_init__()
@@ -83,13 +87,14 @@ class EarlyExitTrainingArguments(Seq2SeqTrainingArguments):
         if self.exit_loss_weights in WEIGHTINGS:
             return None
         try:
-            weights = [float(weight) for weight in self.exit_loss_weights.split(",")]
+            weights = [float(weight) for weight in str(self.exit_loss_weights).split(",")]
         except ValueError:
             weights = []
-        if not weights or any(weight < 0 for weight in weights):
+        # Not NaN or inf, and not all zero: deep supervision divides by their sum.
+        if not weights or not all(0 <= weight < math.inf for weight in weights) or not sum(weights) > 0:
             raise ValueError(
                 f"`exit_loss_weights` must be one of {list(WEIGHTINGS)} or a comma-separated list of non-negative "
-                f"numbers, got {self.exit_loss_weights!r}."
+                f"numbers, not all zero, got {self.exit_loss_weights!r}."
             )
         return weights
 

@@ -180,6 +180,24 @@ class EarlyExitTrainer(Seq2SeqTrainer):
                 self._exit_metrics[name].append(term.detach() / tokens.clamp(min=1))
         return (loss, outputs) if return_outputs else loss
 
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+        **gen_kwargs,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Seq2SeqTrainer's, with the loss training minimises (`compute_loss`) as `eval_loss` also when it generates:
+        its generating step takes the final layer's cross-entropy alone, which made `eval_loss` change meaning."""
+        loss, generated, labels = super().prediction_step(
+            model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs
+        )
+        if self.args.predict_with_generate and not prediction_loss_only and loss is not None:
+            with torch.no_grad(), self.compute_loss_context_manager():
+                loss = self.compute_loss(model, self._prepare_inputs(inputs)).detach().mean()
+        return loss, generated, labels
+
     def exit_loss_and_terms(
         self, model: nn.Module, outputs: Any, mask: torch.Tensor, targets: torch.Tensor | None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

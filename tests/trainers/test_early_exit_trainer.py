@@ -269,6 +269,14 @@ def test_lora_model_trains_its_adapters_only(tmp_path):
         (dict(exit_loss_weights=[1.0, -1.0]), "non-negative"),
         (dict(distill_temperature=0.0), "distill_temperature"),
         (dict(encoder_exit_sampling=1.5), "encoder_exit_sampling"),
+        # NaN passes `x < 0` and `x <= 0`, and one step with it, inf, or weights that sum to 0 left NaN parameters.
+        (dict(exit_loss_weights="nan,1,1,1"), "exit_loss_weights"),
+        (dict(exit_loss_weights="inf,1,1,1"), "exit_loss_weights"),
+        (dict(exit_loss_weights="0,0,0,0"), "not all zero"),
+        (dict(exit_loss_weights=None), "exit_loss_weights"),
+        (dict(distill_temperature=float("nan")), "distill_temperature"),
+        (dict(adversarial_weight=float("inf")), "adversarial_weight"),
+        (dict(discriminator_learning_rate=float("nan")), "discriminator_learning_rate"),
     ],
 )
 def test_bad_arguments_raise(tmp_path, overrides, message):
@@ -373,3 +381,22 @@ def test_push_to_hub_uploads_remote_code_and_the_early_exit_card_from_the_main_p
     with mock.patch.object(trainer, "is_world_process_zero", return_value=False):
         trainer.create_model_card()
     assert not (output / "README.md").exists()
+
+
+@pytest.mark.parametrize("exit_loss", ["layerwise", "distill"])
+def test_eval_loss_is_the_exit_loss_whether_or_not_evaluation_generates(tmp_path, exit_loss):
+    """Seq2SeqTrainer's generating step computed the final layer's cross-entropy alone; `eval_loss` must not change
+    meaning with `predict_with_generate`. Evaluation gathers no exit hidden states."""
+    model = tiny_model(decoder_layers=DEPTH)
+    losses = {}
+    for generating in (False, True):
+        trainer = EarlyExitTrainer(
+            model=model,
+            args=arguments(tmp_path, exit_loss=exit_loss, predict_with_generate=generating, generation_max_length=4),
+            eval_dataset=TinyCaptions(),
+            compute_metrics=lambda prediction: {"rows": float(len(prediction.label_ids))},
+        )
+        metrics = trainer.evaluate()
+        losses[generating] = metrics["eval_loss"]
+        assert metrics["eval_rows"] == 8.0
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
