@@ -287,6 +287,10 @@ def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> di
     if any(size < 1 for size in batch_sizes) or args.repeats < 1 or args.new_tokens < 1:
         raise ValueError("--batch-sizes, --repeats and --new-tokens must be positive.")
     if args.training_step:
+        ignored = [flag for flag, set_here in (("--device", device.type != "cpu"), ("--dtype", args.dtype != "float32"))
+                   if set_here]  # fmt: skip
+        if ignored:
+            raise ValueError(f"--training-step times on the CPU in float32: drop {ignored}.")
         return training_step_benchmark(
             args.preset,
             exit_losses=tuple(args.exit_losses.split(",")),
@@ -426,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--from", dest="source", required=True, help="official checkpoint folder or fairseq .pt")
     convert.add_argument("--to", dest="target", required=True, help="output folder (hf-earlyexit format)")
     convert.add_argument("--tokenizer", help="folder with BART vocab.json + merges.txt, saved as the processor")
-    convert.add_argument("--image-size", type=int, default=384, help="processor image size (default 384)")
+    convert.add_argument("--image-size", type=positive_int, default=384, help="processor image size (default 384)")
     convert.set_defaults(run=cmd_convert)
 
     caption = commands.add_parser("caption", help="caption images with a saved model")
@@ -543,9 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--exit-losses", default="none,layerwise", help="with --training-step (default none,layerwise)")
     bench.add_argument("--preset", default="base", choices=["tiny", "medium", "base", "large", "huge"])
     bench.add_argument("--batch-sizes", default="1,8", help="decoder batch sizes, comma-separated (default 1,8)")
-    bench.add_argument("--encoder-batch-size", type=int, default=1)
+    bench.add_argument("--encoder-batch-size", type=positive_int, default=1)
     bench.add_argument("--new-tokens", type=int, default=16)
-    bench.add_argument("--image-size", type=int, default=384)
+    bench.add_argument("--image-size", type=positive_int, default=384)
     bench.add_argument("--repeats", type=int, default=2, help="timed rounds after a warm-up (default 2)")
     bench.add_argument("--device", default="cpu", help="where to time (cpu, cuda, ...); with MODEL_DIR too")
     bench.add_argument(

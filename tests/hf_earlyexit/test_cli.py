@@ -332,6 +332,9 @@ def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys):
         (["calibrate", "{m}", "--tasks", "vqa,foo"], "Unknown task 'foo'"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--tasks", "vqa,foo"], "Unknown task 'foo'"),
         (["bench", "--forced-exit", "1", "--batch-sizes", "a"], "--batch-sizes must be comma-separated integers"),
+        (["bench", "--training-step", "--dtype", "bfloat16"], "times on the CPU in float32: drop ['--dtype']"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--batch-size", "0"], "--batch-size must be positive"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--samples", "0"], "--samples must be positive"),
         (["eval", "{m}", "--task", "vqa", "--full", "--exit-threshold", "0.5"], "--full runs the full model"),
         (["bench", "{m}", "--forced-exit", "1"], "not both"),
         *(
@@ -368,6 +371,8 @@ def test_demo_uses_the_embedded_model_and_shows_exit_layers_and_savings(tmp_path
         ["caption", "m", "image.png", "--num-beams", "0"],
         ["caption", "m", "image.png", "--max-new-tokens", "0"],
         ["train", "--max-steps", "0"],
+        ["bench", "--forced-exit", "1", "--image-size", "0"],
+        ["bench", "--forced-exit", "1", "--encoder-batch-size", "0"],
     ],
 )
 def test_counts_below_one_are_refused_before_anything_runs(capsys, argv):
