@@ -60,3 +60,14 @@ def test_entailment_accuracy_overall_and_per_label():
 def test_unknown_metric_raises():
     with pytest.raises(ValueError, match="shipped metrics"):
         metrics.load("bleu")
+
+
+@pytest.mark.parametrize("name", ["vqa_accuracy", "entailment_accuracy", "coco_caption"])
+def test_no_predictions_is_an_error_not_a_score_of_zero(name):
+    with pytest.raises(ValueError, match="No predictions to score"):
+        metrics.load(name).compute(predictions=[], references=[])
+
+
+def test_an_empty_reference_caption_is_an_error_that_says_so():
+    with pytest.raises(ValueError, match="non-empty reference caption"):
+        metrics.load("coco_caption").compute(predictions=["a red circle"], references=[[""]], meteor=False)

@@ -58,8 +58,10 @@ class CocoCaption(evaluate.Metric):
         from pycocoevalcap.rouge.rouge import Rouge
         from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
-        if any(len(refs) == 0 for refs in references):
-            raise ValueError("Every prediction needs at least one reference caption.")
+        if not predictions:
+            raise ValueError("No predictions to score: the caption metrics need at least one caption.")
+        if any(len(refs) == 0 or not any(ref.strip() for ref in refs) for refs in references):
+            raise ValueError("Every prediction needs at least one non-empty reference caption.")
         tokenizer = PTBTokenizer()
         with java_output_kept_aside():
             gts = tokenizer.tokenize({i: [{"caption": r} for r in refs] for i, refs in enumerate(references)})

@@ -31,6 +31,8 @@ class EntailmentAccuracy(evaluate.Metric):
         )
 
     def _compute(self, predictions, references) -> dict:
+        if not predictions:
+            raise ValueError("No predictions to score: an accuracy needs at least one pair.")
         correct = [normalize(p) == normalize(r) for p, r in zip(predictions, references, strict=True)]
         result = {"accuracy": sum(correct) / len(correct) if correct else 0.0}
         for label in sorted({normalize(r) for r in references}):

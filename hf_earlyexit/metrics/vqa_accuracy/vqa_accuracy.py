@@ -39,6 +39,8 @@ class VqaAccuracy(evaluate.Metric):
         )
 
     def _compute(self, predictions, references) -> dict:
+        if not predictions:
+            raise ValueError("No predictions to score: an accuracy needs at least one question.")
         scores = []
         for prediction, answers in zip(predictions, references, strict=True):
             if not answers:
