@@ -36,6 +36,11 @@ def generate(model, inputs, mode: str, **kwargs):
     )
 
 
+def generated_layers(out) -> torch.Tensor:
+    """The exit layers of the tokens generated before each row's end (0 after it)."""
+    return out.exit_layers[out.exit_layers > 0]
+
+
 class NeverExit(ExitController):
     """Asks at every layer and never stops: the exit code path with the full model's result."""
 
@@ -501,7 +506,9 @@ def test_finished_rows_do_not_count_toward_the_batch_stop_fraction(model):
     assert bool((out.exit_layers[~ended_early, :3] == DEPTH).all())
 
 
-def test_a_row_that_just_emitted_its_end_token_stops_at_the_first_exit_and_the_tokens_stay(model):
+def test_a_row_that_just_emitted_its_end_token_keeps_its_tokens_and_reports_no_layers_past_it(model):
+    """Its later steps stop at the first exit (`test_rows_fed_their_end_token_stop_at_the_first_exit_from_then_on`);
+    `generate` reports 0 layers for them, as for any token past a row's end."""
     inputs = batch_of(4)
     full = generate(model, inputs, "greedy", **NO_EXIT)
     end = int(full.sequences[:, 3].mode().values)  # a token some rows emit early: their end
@@ -512,7 +519,7 @@ def test_a_row_that_just_emitted_its_end_token_stops_at_the_first_exit_and_the_t
     for row, layers in enumerate(out.exit_layers.tolist()):
         first_end = ended[row].nonzero()[0].item() if bool(ended[row].any()) else None
         if first_end is not None and first_end + 1 < len(layers):
-            assert layers[: first_end + 1] == [DEPTH] * (first_end + 1) and layers[first_end + 1] == 2, row
+            assert layers[: first_end + 1] == [DEPTH] * (first_end + 1) and set(layers[first_end + 1 :]) == {0}, row
 
 
 def test_min_exit_layer_holds_back_exits(model):
@@ -634,15 +641,15 @@ def test_encoder_min_exit_layer_skips_the_tests_below_it():
 def test_defaults_come_from_the_config_and_the_generation_config_and_survive_save_load(tmp_path):
     model = tiny_model(decoder_layers=DEPTH, exit_threshold=-1.0, min_exit_layer=2)
     inputs = batch_of(2)
-    assert bool((generate(model, inputs, "greedy").exit_layers == 2).all())
+    assert bool((generated_layers(generate(model, inputs, "greedy")) == 2).all())
     assert bool((generate(model, inputs, "greedy", exit_threshold=None).exit_layers == DEPTH).all())
     model.generation_config.min_exit_layer = 3
-    assert bool((generate(model, inputs, "greedy").exit_layers == 3).all())
+    assert bool((generated_layers(generate(model, inputs, "greedy")) == 3).all())
     model.save_pretrained(tmp_path)
     reloaded = type(model).from_pretrained(tmp_path).eval()
     assert reloaded.config.exit_threshold == -1.0
     assert reloaded.generation_config.min_exit_layer == 3
-    assert bool((generate(reloaded, inputs, "greedy").exit_layers == 3).all())
+    assert bool((generated_layers(generate(reloaded, inputs, "greedy")) == 3).all())
     explicit = GenerationConfig(min_exit_layer=4, max_new_tokens=3)
     assert bool(
         (reloaded.generate(**inputs, generation_config=explicit, return_dict_in_generate=True).exit_layers == 4).all()
