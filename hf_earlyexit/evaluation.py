@@ -174,10 +174,7 @@ def run_batch(
     if out.sequences.is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    new_tokens = out.sequences[:, 1:]  # [B, T]: after the decoder start token
-    ended = new_tokens.eq(model.config.eos_token_id)
-    past_end = (ended.cumsum(dim=1) - ended.long()) > 0  # tokens after the first </s> are padding
-    decoder_layers = out.exit_layers.masked_fill(past_end.to(out.exit_layers.device), 0).cpu()
+    decoder_layers = out.exit_layers.cpu()  # `generate` gives 0 past each row's end in every decoding mode
     predictions = [text.strip() for text in processor.batch_decode(out.sequences, skip_special_tokens=True)]
     counts = (
         (int(out.drafted_tokens.sum()), int(out.accepted_tokens.sum()), int(out.speculative_rounds.sum()))
