@@ -117,14 +117,17 @@ def task_inputs(
 def run_knobs(model, full: bool = False, **given: Any) -> dict[str, Any]:
     """The exit knobs of a run, knob by knob as `generate` resolves them: `given`, else the model's saved default
     (what calibration wrote), so `kv_strategy="copy"` alone keeps the calibrated thresholds. Knobs at their
-    default are left out unless given; `full` means none (the full model)."""
+    default are left out unless given; `full` means none (the full model). They are checked as `generate` checks
+    them, so a bad one fails before any data loads."""
     if full:
         return {}
     resolved = non_default_knobs(resolve_knobs(model.config, model.generation_config, **given))
     if resolved.get("exit_mode") == "speculative":  # it sets aside the saved defaults that would change its output
         set_aside = {*SPECULATIVE_KNOBS, *(DRAFT_KNOBS if drafts_with_exit_knobs(given) else ())}
         resolved = {name: value for name, value in resolved.items() if name not in set_aside}
-    return {**resolved, **given}
+    knobs = {**resolved, **given}
+    EarlyExitSettings.from_knobs(model.config, model.generation_config, **knobs)
+    return knobs
 
 
 @dataclass
@@ -206,12 +209,16 @@ def score(
     task: Task, predictions: list[str], targets: list[str], meteor: bool = False, per_sample: bool = False
 ) -> dict[str, Any]:
     """The task's metric (`task.metric`); METEOR (a Java start-up) only when asked; with `per_sample`, captions'
-    CIDEr per sample too (`CIDEr_per_sample`)."""
+    CIDEr per sample too (`CIDEr_per_sample`), which the per-sample losses need: a ValueError where the metric cannot
+    give them (CIDEr on one image)."""
     metric = load_metric(task.metric)
     if task.metric == "entailment_accuracy":
         return metric.compute(predictions=predictions, references=targets)
     extra = {"meteor": meteor, "per_sample": per_sample} if task.metric == "coco_caption" else {}
-    return metric.compute(predictions=predictions, references=[[target] for target in targets], **extra)
+    scores = metric.compute(predictions=predictions, references=[[target] for target in targets], **extra)
+    if per_sample and scores[task.quality_key] is None:
+        raise ValueError(f"{task.name}: {scores[f'{task.quality_key}_unavailable']}")
+    return scores
 
 
 def flop_costs(model, inputs: TaskInputs) -> PartCosts:

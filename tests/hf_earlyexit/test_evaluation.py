@@ -56,8 +56,11 @@ def test_the_full_model_is_asked_for_explicitly_whatever_the_saved_defaults():
 def test_score_uses_the_tasks_metric_and_disagreement_compares_answers():
     assert score(get_task("vqa"), ["Blue", "red"], ["blue", "green"]) == {"accuracy": 0.5}
     assert score(get_task("entailment"), ["yes"], ["yes"])["accuracy"] == 1.0
-    captions = score(get_task("caption"), ["a red circle"], ["a red circle"])
-    assert captions["CIDEr"] >= 0 and captions["METEOR"] is None and captions["SPICE"] is None
+    captions = score(get_task("caption"), ["a red circle", "a blue square"], ["a red circle", "a green square"])
+    assert captions["CIDEr"] > 0 and captions["METEOR"] is None and captions["SPICE"] is None
+    assert score(get_task("caption"), ["a red circle"], ["a red circle"])["CIDEr"] is None  # 0 whatever the caption
+    with pytest.raises(ValueError, match="caption: CIDEr-D .* score at least two"):
+        score(get_task("caption"), ["a red circle"], ["a red circle"], per_sample=True)  # no loss to compute
     assert disagreement(["Yes", "no"], ["yes", "yes"]) == [0.0, 1.0]
 
 
@@ -94,6 +97,8 @@ def test_run_knobs_keep_the_saved_defaults_under_given_knobs_and_full_means_none
     assert run_knobs(model, full=True, kv_strategy="copy") == {}
     with pytest.raises(ValueError, match="Unknown early-exit knob"):
         run_knobs(model, exit_treshold=0.5)
+    with pytest.raises(ValueError, match=r"`exit_threshold` for ConfidenceExit must lie in \[0.0, 1.0\], got 2.5"):
+        run_knobs(model, exit_threshold=2.5)  # checked as `generate` would, before any data loads
 
 
 def test_run_knobs_in_speculative_mode_keep_the_saved_drafts_unless_the_exit_is_named():

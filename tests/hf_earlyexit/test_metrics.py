@@ -28,6 +28,9 @@ def test_caption_metrics_equal_hand_computed_values():
     perfect = metrics.load("coco_caption").compute(predictions=["a red circle"], references=[["a red circle"]],
                                                    meteor=False)  # fmt: skip
     assert perfect["ROUGE-L"] == 1.0 and perfect["BLEU-3"] == pytest.approx(1.0, abs=1e-6)
+    # One image: CIDEr-D's document frequencies make every n-gram weigh 0, so it is not given as a silent 0.
+    assert perfect["CIDEr"] is None and "at least two" in perfect["CIDEr_unavailable"]
+    assert "CIDEr_unavailable" not in scores
 
 
 def test_the_java_tokenizer_keeps_off_the_console(capfd):

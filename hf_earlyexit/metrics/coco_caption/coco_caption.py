@@ -17,10 +17,14 @@ Args:
     references: the reference captions of each image.
     meteor: run METEOR (starts a Java process, about 9 s the first time); default True.
 Returns:
-    "BLEU-1".."BLEU-4", "METEOR" (None when not run), "ROUGE-L", "CIDEr", and "SPICE": None with
-    "SPICE_unavailable" saying why. Texts go through the PTB tokenizer (Java), as the COCO server does.
+    "BLEU-1".."BLEU-4", "METEOR" (None when not run), "ROUGE-L", "CIDEr" (None for a single image, with
+    "CIDEr_unavailable" saying why), and "SPICE": None with "SPICE_unavailable" saying why. Texts go through the PTB tokenizer (Java), as the COCO server does.
 """
 SPICE_UNAVAILABLE = "SPICE needs Stanford CoreNLP 3.6.0, which it downloads at first use; this machine is offline."
+CIDER_UNAVAILABLE = (
+    "CIDEr-D weighs n-grams by their document frequency over the scored images' references, so one image scores 0 "
+    "whatever its caption: score at least two."
+)
 
 
 @contextlib.contextmanager
@@ -75,9 +79,11 @@ class CocoCaption(evaluate.Metric):
             scores["METEOR"] = float(Meteor().compute_score(gts, res)[0])
         scores["ROUGE-L"] = float(Rouge().compute_score(gts, res)[0])
         cider, cider_per_sample = Cider().compute_score(gts, res)
-        scores["CIDEr"] = float(cider)
+        scores["CIDEr"] = float(cider) if len(predictions) > 1 else None
         if per_sample:  # CIDEr-D's document frequencies come from the references, so a sample's score is its own
-            scores["CIDEr_per_sample"] = [float(value) for value in cider_per_sample]
+            scores["CIDEr_per_sample"] = [float(value) for value in cider_per_sample] if len(predictions) > 1 else None
+        if len(predictions) == 1:
+            scores["CIDEr_unavailable"] = CIDER_UNAVAILABLE
         scores["SPICE"] = None
         scores["SPICE_unavailable"] = SPICE_UNAVAILABLE
         return scores
