@@ -18,7 +18,8 @@ Args:
     meteor: run METEOR (starts a Java process, about 9 s the first time); default True.
 Returns:
     "BLEU-1".."BLEU-4", "METEOR" (None when not run), "ROUGE-L", "CIDEr" (None for a single image, with
-    "CIDEr_unavailable" saying why), and "SPICE": None with "SPICE_unavailable" saying why. Texts go through the PTB tokenizer (Java), as the COCO server does.
+    "CIDEr_unavailable" saying why), and "SPICE": None with "SPICE_unavailable" saying why. Texts go through the
+    PTB tokenizer (Java), as the COCO server does.
 """
 SPICE_UNAVAILABLE = "SPICE needs Stanford CoreNLP 3.6.0, which it downloads at first use; this machine is offline."
 CIDER_UNAVAILABLE = (
