@@ -76,10 +76,12 @@ class EarlyExitCache(DynamicCache):
         self.ended: torch.Tensor | None = None
         self._derived: dict[str, Any] = {}
 
-    def derived(self, name: str, make: Callable[[], Any]) -> Any:
-        """What the model derives from its weights for this cache's decoding (`make()`), asked for on first use: the
-        weights do not change within one `generate` call, so it is looked up once per call, not at every step."""
-        if name not in self._derived:
+    def derived(self, name: str, make: Callable[[], Any], fits: Callable[[Any], bool] | None = None) -> Any:
+        """What the model derives from its weights for this cache's decoding (`make()`), made on first use and again
+        when the kept one no longer `fits` the step. The weights do not change within one `generate` call, and they
+        may between calls (an optimizer step, a merged adapter, weights written through `.data`), so it lives as
+        long as the call's cache."""
+        if name not in self._derived or (fits is not None and not fits(self._derived[name])):
             self._derived[name] = make()
         return self._derived[name]
 

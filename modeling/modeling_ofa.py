@@ -15,7 +15,7 @@ Two deliberate differences from the official port, both invisible on its inputs:
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +142,17 @@ def computed_once(function: Callable[[], Any]) -> Callable[[], Any]:
         return value[0]
 
     return call
+
+
+def plain_modules(modules: Iterable[nn.Module]) -> bool:
+    """Whether every module is a bare `nn.Linear` or `nn.LayerNorm` that nothing wraps or hooks, so that reading its
+    weights gives what calling it gives. A LoRA layer (PEFT), an offload hook (Accelerate) or a user's forward hook
+    must be called instead."""
+    return all(
+        type(module) in (nn.Linear, nn.LayerNorm)
+        and not (module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"))
+        for module in modules
+    )
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -629,7 +640,7 @@ class OFAEncoder(nn.Module):
             )
         x = self.image_proj(features.flatten(2).transpose(1, 2)) * self.embed_scale
         if self.type_embedding is not None:
-            x = x + self.type_embedding.weight[1]
+            x = x + self.type_embedding(torch.full((1,), 1, device=x.device))  # called: hooks and adapters apply
         x = self.dropout(self.patch_layernorm_embedding(x))
         ids = image_position_ids(height, width, self.config.image_bucket_size, x.device)
         positions = self.image_pos_ln(self.embed_image_positions(ids)).expand(x.shape[0], -1, -1)
@@ -651,7 +662,7 @@ class OFAEncoder(nn.Module):
             )
         x = inputs_embeds * self.embed_scale
         if self.type_embedding is not None:
-            x = x + self.type_embedding.weight[0]
+            x = x + self.type_embedding(torch.full((1,), 0, device=x.device))  # called: hooks and adapters apply
         x = self.dropout(self.layernorm_embedding(x))
         position_ids = position_ids_from_mask(~padding, x.shape[1], x.device)
         positions = self.pos_ln(self.embed_positions(position_ids)).expand(x.shape[0], -1, -1)
@@ -852,7 +863,7 @@ class OFAEncoder(nn.Module):
             self.run_layers(
                 sequence.hidden_states[:, n:], sequence.absolute[:, :, n:, n:], 0, sequence.text_buckets, None, layers,
                 False, exit_settings, part="encoder_text",
-                real_tokens=~padding[:, n:] if bool(padding.any()) else None,  # None: no pad to leave out
+                real_tokens=~padding[:, n:] if torch.compiler.is_compiling() or bool(padding.any()) else None,
                 output_hidden_states=states,
             ) if sequence.text_length else None,
         ]  # fmt: skip
@@ -1018,8 +1029,6 @@ class OFADecoder(nn.Module):
         )
         self.layer_norm = nn.LayerNorm(d_model)
         self.output_projection = nn.Linear(d_model, config.vocab_size, bias=False)
-        # Tables derived from the weights for decoding without grad: name -> (the weights' versions, table).
-        self._weight_tables: dict[str, tuple[tuple[tuple[int, int], ...], Any]] = {}
         self.measured_layer_costs: dict[tuple, LayerCosts] = {}  # (batch, query, source, dtype, device) -> costs
         # Exit heads: modules between a layer's output and the shared final LayerNorm + output projection.
         self.exit_points = {layer: i for i, layer in enumerate(config.exit_points)}  # 1-based layer -> index
@@ -1091,37 +1100,32 @@ class OFADecoder(nn.Module):
         cross_bias = cross_bias.masked_fill(padding[:, None, None, :], torch.finfo(cross_bias.dtype).min)
         return self_absolute, buckets, cross_bias
 
-    def weight_table(self, name: str, tensors, make: Callable[[], Any]) -> Any:
-        """`make()`, kept under `name` until one of `tensors` moves or is changed in place (an optimizer step,
-        `load_state_dict`, `.to()`); checked once per `generate` call through the cache's `derived`. Under a tracer
-        (`torch.compile`, `torch.export`), whose tensors have no storage to key on, it is `make()`, traced in."""
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-            return make()
-        weights = tuple((tensor.data_ptr(), tensor._version) for tensor in tensors)
-        kept = self._weight_tables.get(name)
-        if kept is None or kept[0] != weights:
-            kept = self._weight_tables[name] = (weights, make())
-        return kept[1]
+    def position_table(self, size: int, device: torch.device) -> DecoderPositionTable:
+        """The `DecoderPositionTable` of position ids 0..`size`-1 (no grad), through the modules' own calls (an
+        adapter or hook on them applies)."""
+        ids = torch.arange(size, device=device)
+        positions = self.pos_ln(self.embed_positions(ids))[None]  # [1, size, d]
+        return DecoderPositionTable(
+            positions=positions[0],
+            self_queries=split_heads(self.self_pos_q_linear(positions), self.num_heads)[0] * self.pos_scaling,
+            self_keys=split_heads(self.self_pos_k_linear(positions), self.num_heads)[0],
+            cross_queries=split_heads(self.cross_pos_q_linear(positions), self.num_heads)[0] * self.pos_scaling,
+            buckets=token_relative_buckets(
+                ids[:, None] - ids[None, :], self.config.token_bucket_size, self.config.max_position_embeddings
+            ),
+        )
 
-    def position_table(self) -> DecoderPositionTable:
-        """The `DecoderPositionTable` of the current weights (no grad)."""
-
-        def make() -> DecoderPositionTable:
-            positions = self.pos_ln(self.embed_positions.weight)[None]  # [1, P, d]
-            ids = torch.arange(positions.shape[1], device=positions.device)
-            return DecoderPositionTable(
-                positions=positions[0],
-                self_queries=split_heads(self.self_pos_q_linear(positions), self.num_heads)[0] * self.pos_scaling,
-                self_keys=split_heads(self.self_pos_k_linear(positions), self.num_heads)[0],
-                cross_queries=split_heads(self.cross_pos_q_linear(positions), self.num_heads)[0] * self.pos_scaling,
-                buckets=token_relative_buckets(
-                    ids[:, None] - ids[None, :], self.config.token_bucket_size, self.config.max_position_embeddings
-                ),
-            )
-
-        modules = (self.embed_positions, self.pos_ln, self.self_pos_q_linear, self.self_pos_k_linear)
-        tensors = [p for module in (*modules, self.cross_pos_q_linear) for p in module.parameters()]
-        return self.weight_table("position_table", tensors, make)
+    def call_position_table(
+        self, self_cache: EarlyExitCache, length: int, device: torch.device
+    ) -> DecoderPositionTable:
+        """The call's `position_table`, covering at least `length` positions: made at the first step and remade
+        twice as long when a longer step needs it (a whole table of OFA-base costs more than a few steps)."""
+        size = min(self.embed_positions.num_embeddings, max(64, 1 << (length - 1).bit_length()))
+        return self_cache.derived(
+            "position_table",
+            lambda: self.position_table(size, device),
+            fits=lambda table: len(table.positions) >= length,
+        )
 
     def table_attention_biases(
         self,
@@ -1232,44 +1236,38 @@ class OFADecoder(nn.Module):
             rows = None
         return self.exit_transformer_layers[index](hidden_states, self_bias, host_key_values, cross_bias, rows)
 
-    def folded_key_value_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def folded_key_value_projections(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every layer's self-attention k and v projections with its pre-attention LayerNorm's affine folded in,
         stacked, per layer k then v: weight [layers * 2 * d, d], bias [layers * 2 * d]. For n the normalised state,
         k = W_k (g * n + b) + c = (W_k g) n + (W_k b + c), so `propagate` projects an exited state into every layer
-        it skipped with one LayerNorm and one matmul (no grad)."""
+        it skipped with one LayerNorm and one matmul (no grad). None unless every module is plain (`plain_modules`)."""
         projections = [
             (projection, layer.self_attn_layer_norm)
             for layer in self.layers
             for projection in (layer.self_attn.k_proj, layer.self_attn.v_proj)
         ]
+        if not plain_modules(module for pair in projections for module in pair):
+            return None
+        weight = torch.cat([projection.weight * norm.weight for projection, norm in projections])
+        bias = torch.cat([projection.weight @ norm.bias + projection.bias for projection, norm in projections])
+        return weight, bias
 
-        def make() -> tuple[torch.Tensor, torch.Tensor]:
-            weight = torch.cat([projection.weight * norm.weight for projection, norm in projections])
-            bias = torch.cat([projection.weight @ norm.bias + projection.bias for projection, norm in projections])
-            return weight, bias
-
-        tensors = [p for pair in projections for module in pair for p in (module.weight, module.bias)]
-        return self.weight_table("folded_key_value_projections", tensors, make)
-
-    def cross_key_value_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def cross_key_value_projections(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Every layer's cross-attention k and v projections, stacked, per layer k then v: weight [layers * 2 * d, d],
-        bias [layers * 2 * d] (no grad)."""
+        bias [layers * 2 * d] (no grad). None unless every projection is plain (`plain_modules`)."""
         projections = [p for layer in self.layers for p in (layer.cross_attn.k_proj, layer.cross_attn.v_proj)]
-
-        def make() -> tuple[torch.Tensor, torch.Tensor]:
-            return torch.cat([p.weight for p in projections]), torch.cat([p.bias for p in projections])
-
-        tensors = [t for projection in projections for t in (projection.weight, projection.bias)]
-        return self.weight_table("cross_key_value_projections", tensors, make)
+        if not plain_modules(projections):
+            return None
+        return torch.cat([p.weight for p in projections]), torch.cat([p.bias for p in projections])
 
     def cache_cross_key_values(self, encoder_hidden_states: torch.Tensor, past_key_values: EncoderDecoderCache) -> None:
         """Every layer's cross-attention K/V of the encoder output [batch, S, d] into the cache, in one projection:
         at decoding's first step, two small matmuls per layer cost more in calls than in arithmetic, and a layer
         first reached at a later step finds its entry ready."""
-        self_cache = past_key_values.self_attention_cache
-        name, make = "cross_key_value_projections", self.cross_key_value_projections
-        weight, bias = self_cache.derived(name, make) if isinstance(self_cache, EarlyExitCache) else make()
-        projected = F.linear(encoder_hidden_states, weight, bias)  # [batch, S, layers * 2 * d]
+        stacked = self.cross_key_value_projections()
+        if stacked is None:  # wrapped or hooked projections: each layer projects its own on first use
+            return
+        projected = F.linear(encoder_hidden_states, *stacked)  # [batch, S, layers * 2 * d]
         key_values = split_layer_key_values(projected, self.num_heads, self.config.d_model)
         for layer_idx, (key, value) in enumerate(key_values):
             past_key_values.cross_attention_cache.update(key, value, layer_idx)
@@ -1430,7 +1428,8 @@ class OFADecoder(nn.Module):
         step): sliced when rows have no decoder mask or position ids (positions 0, 1, ...), gathered otherwise."""
         device = encoder_outputs.last_hidden_state.device
         from_table = (
-            not torch.is_grad_enabled()
+            self_cache is not None
+            and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
             and length <= self.embed_positions.num_embeddings
         )
@@ -1443,7 +1442,7 @@ class OFADecoder(nn.Module):
         positions = None  # LayerNorm'd position embeddings: read by the computed biases and `recompute`'s catch-up
         query_slots = past + torch.arange(query, device=device)
         if from_table:
-            table = self_cache.derived("position_table", self.position_table) if self_cache else self.position_table()
+            table = self.call_position_table(self_cache, length, device)
             gathered = None if unmasked else position_ids.expand(len(encoder_outputs.last_hidden_state), -1)
             biases = self.table_attention_biases(query_slots, length, encoder_outputs, table, gathered, attention_mask)
             if self_cache is not None and self_cache.kv_strategy == "recompute":
@@ -1510,7 +1509,7 @@ class OFADecoder(nn.Module):
         project = self.skipped_key_values
         if self_cache.kv_strategy == "propagate" and not torch.is_grad_enabled():
             folded = self_cache.derived("folded_key_value_projections", self.folded_key_value_projections)
-            project = functools.partial(project, folded=folded)
+            project = functools.partial(project, folded=folded) if folded is not None else project
         self_cache.record_skipped(exits.layers_run, slots, exit_outputs, project)
 
     def forward(

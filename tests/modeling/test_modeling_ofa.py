@@ -1,5 +1,6 @@
 """The OFA backbone: parity with the official implementation, attention paths, caching, positions, loss."""
 
+import copy
 import json
 import math
 
@@ -259,6 +260,86 @@ def test_decoding_from_the_position_table_equals_the_per_step_biases():
         torch.testing.assert_close(steps(False, holes), steps(True, holes), atol=1e-5, rtol=1e-5)
 
 
+def test_decoding_follows_the_weights_as_they_are_at_each_call():
+    """What decoding derives from the weights (the position table, the stacked cross-attention and folded
+    `propagate` projections) is made per call: weights written through `.data` (weight averaging, a merged adapter)
+    take effect at the next call, as they do in a fresh copy."""
+    model, other = tiny_model(decoder_layers=3), tiny_model(seed=7, decoder_layers=3)
+    inputs = tiny_inputs()
+    knobs = {"max_new_tokens": 6, "return_dict_in_generate": True, "output_logits": True}
+    exits = {"exit_controller": FixedLayerExit(1), "kv_strategy": "propagate"}  # skipped layers filled by folding
+    with torch.no_grad():
+        for extra in ({}, exits):
+            model.generate(**inputs, **knobs, **extra)  # derives from the old weights first
+        for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
+            mine.data.copy_(theirs.data)  # no version bump: only a per-call derivation sees it
+        for extra in ({}, exits):
+            ours, expected = model.generate(**inputs, **knobs, **extra), other.generate(**inputs, **knobs, **extra)
+            assert torch.equal(ours.sequences, expected.sequences)
+            torch.testing.assert_close(torch.stack(ours.logits), torch.stack(expected.logits), atol=0, rtol=0)
+
+
+def test_hooked_and_adapted_projections_are_called_not_read():
+    """A forward hook on a key/value projection (or an offload hook, or a LoRA layer) changes what the module gives,
+    not its weights: decoding must call such modules, in the full model's cross-attention K/V and in `propagate`'s
+    fill of skipped layers. A hook that doubles every projection equals weights doubled in a copy."""
+    model, baked = tiny_model(decoder_layers=3), tiny_model(decoder_layers=3)
+    inputs = tiny_inputs()
+    for layer, baked_layer in zip(model.decoder.layers, baked.decoder.layers, strict=True):
+        for name in ("k_proj", "v_proj"):
+            for attention, baked_attention in ((layer.self_attn, baked_layer.self_attn),
+                                               (layer.cross_attn, baked_layer.cross_attn)):  # fmt: skip
+                getattr(attention, name).register_forward_hook(lambda module, args, output: 2 * output)
+                with torch.no_grad():
+                    getattr(baked_attention, name).weight.mul_(2)
+                    getattr(baked_attention, name).bias.mul_(2)
+    knobs = {"max_new_tokens": 6, "return_dict_in_generate": True, "output_logits": True}
+    with torch.no_grad():
+        for extra in ({}, {"exit_controller": FixedLayerExit(1), "kv_strategy": "propagate"}):
+            hooked, expected = model.generate(**inputs, **knobs, **extra), baked.generate(**inputs, **knobs, **extra)
+            assert torch.equal(hooked.sequences, expected.sequences)
+            torch.testing.assert_close(torch.stack(hooked.logits), torch.stack(expected.logits), atol=1e-5, rtol=0)
+
+
+def test_lora_on_the_key_value_projections_decodes_like_the_merged_model():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_model(decoder_layers=3),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False),
+    ).eval()
+    merged = copy.deepcopy(model).merge_and_unload()  # the same adapters, merged into plain linear layers
+    inputs = tiny_inputs()
+    knobs = {"max_new_tokens": 6, "return_dict_in_generate": True, "output_logits": True}
+    with torch.no_grad():
+        for extra in ({}, {"exit_controller": FixedLayerExit(1), "kv_strategy": "propagate"}):
+            adapted, expected = model.generate(**inputs, **knobs, **extra), merged.generate(**inputs, **knobs, **extra)
+            assert torch.equal(adapted.sequences, expected.sequences)
+            torch.testing.assert_close(torch.stack(adapted.logits), torch.stack(expected.logits), atol=1e-4, rtol=0)
+
+
+def test_a_model_offloaded_by_accelerate_decodes_like_the_loaded_one(tmp_path):
+    """`device_map="auto"` beyond the memory given offloads weights to disk, loaded by hooks as each module runs: no
+    weight may be read outside its module's call, in any mode."""
+    pytest.importorskip("accelerate")
+    model = tiny_model(decoder_layers=3).eval()
+    model.save_pretrained(tmp_path / "model")
+    offloaded = EarlyExitOFAForConditionalGeneration.from_pretrained(
+        tmp_path / "model", device_map="auto", max_memory={"cpu": "150KB"}, offload_folder=tmp_path / "offload"
+    ).eval()
+    assert "disk" in set(offloaded.hf_device_map.values())
+    inputs = tiny_inputs()
+    modes = (
+        {},
+        {"exit_controller": FixedLayerExit(1), "kv_strategy": "propagate"},
+        {"exit_controller": FixedLayerExit(2), "kv_strategy": "recompute", "num_beams": 2},
+        {"exit_threshold": 0.5, "exit_policy": "confidence", "exit_mode": "speculative"},
+    )
+    with torch.no_grad():
+        for knobs in modes:
+            expected = model.generate(**inputs, max_new_tokens=5, **knobs)
+            assert torch.equal(offloaded.generate(**inputs, max_new_tokens=5, **knobs), expected), knobs
+
+
 def test_left_and_right_padding_give_the_unpadded_result():
     model = tiny_model()
     inputs = tiny_inputs(batch=1, pad_last=0)
@@ -406,18 +487,19 @@ def teacher_forced(batch: int, decoder_length: int, seed: int = 0) -> dict:
     return {**inputs, "decoder_input_ids": decoder, "use_cache": False}
 
 
-@pytest.mark.parametrize("grad", [False, True])
-def test_the_full_model_exports_with_static_and_dynamic_shapes(grad):
+@pytest.mark.parametrize(("grad", "decompose"), [(False, False), (True, False), (False, True)])
+def test_the_full_model_exports_with_static_and_dynamic_shapes(grad, decompose):
+    """Also with MuE's decomposed encoder, whose text stream leaves its pads out only when it has some."""
     from torch.export import Dim
 
-    model = tiny_model(decoder_layers=3).eval()
+    model = tiny_model(decoder_layers=3, decompose_encoder_modalities=decompose).eval()
     kwargs = teacher_forced(2, 4)
     batch, text, decoder = Dim("batch", min=1, max=16), Dim("text", min=2, max=64), Dim("decoder", min=2, max=64)
     dynamic = {name: None for name in kwargs} | {
         "input_ids": {0: batch, 1: text}, "attention_mask": {0: batch, 1: text}, "pixel_values": {0: batch},
         "decoder_input_ids": {0: batch, 1: decoder},
     }  # fmt: skip
-    with torch.set_grad_enabled(grad):  # without grad the decoder reads its memoised position table
+    with torch.set_grad_enabled(grad):
         static = torch.export.export(model, (), kwargs=kwargs).module()
         flexible = torch.export.export(model, (), kwargs=kwargs, dynamic_shapes=dynamic).module()
         other = teacher_forced(3, 6, seed=1)
