@@ -263,9 +263,10 @@ class SpeculativeDecoding:
             return torch.multinomial(scores.softmax(dim=-1), num_samples=1)[:, 0]
         return scores.argmax(dim=-1)
 
-    def prefill(self, input_ids: torch.Tensor) -> None:
-        """A decoder prompt's tokens before its last, at full depth."""
-        self.decoder.verify(input_ids, self.encoder_outputs, None, self.cache)
+    def prefill(self, input_ids: torch.Tensor, slots: SlotMask) -> None:
+        """A decoder prompt's tokens before its last, at full depth, its pads (`slots`) masked."""
+        mask, positions = slots.covering(input_ids.shape[1])
+        self.decoder.verify(input_ids, self.encoder_outputs, mask, self.cache, positions)
 
     def run_round(self, inputs: torch.Tensor, tokens: RowTokens, rows: list[int], k: int, slots: SlotMask):
         """Draft up to k tokens for each of the `rows` still generating, from `inputs` [batch] (each row's newest
@@ -361,9 +362,12 @@ class SpeculativeOutput:
 
 
 class RoundLog:
-    """Per row, what the rounds emitted: exit layers, scores and logits per new token, drafted and accepted counts."""
+    """Per row, what the rounds emitted: exit layers, scores and logits per new token, drafted and accepted counts.
+    Past a row's end its scores and logits put all the mass on the pad token it would be fed (the full model runs
+    a finished row on; speculative mode does not)."""
 
-    def __init__(self, batch: int, keep_scores: bool, keep_logits: bool):
+    def __init__(self, batch: int, keep_scores: bool, keep_logits: bool, pad_token_id: int):
+        self.pad_token_id = pad_token_id
         self.exit_layers: list[list[int]] = [[] for _ in range(batch)]
         self.scores: list[list[torch.Tensor]] | None = [[] for _ in range(batch)] if keep_scores else None
         self.logits: list[list[torch.Tensor]] | None = [[] for _ in range(batch)] if keep_logits else None
@@ -388,20 +392,18 @@ class RoundLog:
             torch.tensor(self.drafted, device=device),
             torch.tensor(self.accepted, device=device),
             torch.tensor(self.rounds, device=device),
-            per_step(self.scores, longest),
-            per_step(self.logits, longest),
+            self.per_step(self.scores, longest),
+            self.per_step(self.logits, longest),
         )
 
-
-def per_step(rows: list[list[torch.Tensor]] | None, steps: int) -> tuple[torch.Tensor, ...] | None:
-    """Per-row lists of [vocab] tensors as `generate`'s per-step tuple of [batch, vocab] (-inf past a row's end)."""
-    if rows is None:
-        return None
-    filler = next(tensor for row in rows for tensor in row)
-    return tuple(
-        torch.stack([row[step] if step < len(row) else torch.full_like(filler, -torch.inf) for row in rows])
-        for step in range(steps)
-    )
+    def per_step(self, rows: list[list[torch.Tensor]] | None, steps: int) -> tuple[torch.Tensor, ...] | None:
+        """Per-row lists of [vocab] tensors as `generate`'s per-step tuple of [batch, vocab] over the first `steps`
+        new tokens, a row's pad token certain past its end."""
+        if rows is None:
+            return None
+        filler = torch.full_like(next(tensor for row in rows for tensor in row), -torch.inf)
+        filler[self.pad_token_id] = 0.0
+        return tuple(torch.stack([row[step] if step < len(row) else filler for row in rows]) for step in range(steps))
 
 
 def speculative_generate(
@@ -426,16 +428,21 @@ def speculative_generate(
     adaptive = generation_config.num_assistant_tokens_schedule in ("heuristic", "heuristic_transient")
     batch, max_length = input_ids.shape[0], generation_config.max_length
     tokens, slots = RowTokens(input_ids, max_length + draft_tokens + 1, pad), SlotMask()
-    log = RoundLog(batch, generation_config.output_scores, generation_config.output_logits)
+    prompt_mask = model_kwargs.get("decoder_attention_mask")
+    if prompt_mask is not None and not bool(prompt_mask.all()):  # a padded decoder prompt: its pads are holes
+        slots.mask = prompt_mask.long()
+    log = RoundLog(batch, generation_config.output_scores, generation_config.output_logits, pad)
     if input_ids.shape[1] > 1:
-        decoding.prefill(input_ids[:, :-1])
-    generating, inputs = list(range(batch)), input_ids[:, -1]
+        decoding.prefill(input_ids[:, :-1], slots)
+    generating, inputs, streamed = list(range(batch)), input_ids[:, -1], tokens.start
     while generating:
         k = max(0, min(draft_tokens, max_length - min(tokens.lengths[row] for row in generating) - 1))
         start = decoding.cache.get_seq_length()
         with record_function("speculative.round"):
             result = decoding.run_round(inputs, tokens, generating, k, slots)
-        appended, still = commit_round(result, tokens, generating, log, stopping_criteria, streamer)
+        appended, still = commit_round(result, tokens, generating, log, stopping_criteria)
+        if streamer is not None:
+            streamed = stream(streamer, tokens, still, streamed)
         real = torch.tensor(appended, device=inputs.device)  # the inputs before the tokens each row appended
         crop = slots.close_round(decoding.cache.get_seq_length(), real, start)
         if crop:
@@ -453,12 +460,7 @@ def speculative_generate(
 
 
 def commit_round(
-    result: RoundResult,
-    tokens: RowTokens,
-    rows: list[int],
-    log: RoundLog,
-    stopping_criteria,
-    streamer,
+    result: RoundResult, tokens: RowTokens, rows: list[int], log: RoundLog, stopping_criteria
 ) -> tuple[list[int], list[int]]:
     """Append each row's emitted tokens one at a time, checking the stopping criteria after each on the row's own
     sequence (so a row stops exactly where the full model's loop would); returns how many tokens each row appended
@@ -479,32 +481,36 @@ def commit_round(
             appended[row] += 1
             log.add(row, result, index)
             log.accepted[row] += index < accepted[row]
-        stopped = stopped_rows(stopping_criteria, tokens, active)
+        stopped = stopped_rows(stopping_criteria, tokens, active, log)
         going = [row for row in going if row not in stopped]
-    if streamer is not None:
-        stream(streamer, result.tokens, appended, tokens.pad_token_id)
     return appended, going
 
 
-def stopped_rows(stopping_criteria, tokens: RowTokens, rows: list[int]) -> set[int]:
+def stopped_rows(stopping_criteria, tokens: RowTokens, rows: list[int], log: RoundLog) -> set[int]:
     """Those of the `rows` that the stopping criteria stop on their own sequences. As in stock `generate`, every
     call sees the whole batch in batch order, since a criterion may key on a row's index: one call per length
-    among the rows, keeping the rows of that length."""
+    among the rows, keeping the rows of that length; with the processed scores so far under `output_scores`."""
     stopped = set()
     for length, group in tokens.by_length(rows).items():
-        done = stopping_criteria(tokens.buffer[:, :length], None).tolist()
+        done = stopping_criteria(tokens.buffer[:, :length], log.per_step(log.scores, length - tokens.start)).tolist()
         stopped.update(row for row in group if done[row])
     return stopped
 
 
-def stream(streamer, emitted: torch.Tensor, appended: list[int], pad_token_id: int) -> None:
-    """Put a round's tokens as stock `generate` does a step's: a [batch] tensor per position of `emitted` [batch,
-    K + 1], of which each row appended its first `appended[row]`, with the pad token for a row with none there."""
-    counts = torch.tensor(appended, device=emitted.device)
-    positions = torch.arange(emitted.shape[1], device=emitted.device)
-    padded = torch.where(positions[None] < counts[:, None], emitted, pad_token_id)
-    for column in padded[:, : max(appended)].T.contiguous().cpu():  # one copy to the host per round
+def stream(streamer, tokens: RowTokens, generating: list[int], streamed: int) -> int:
+    """Put, as stock `generate` puts a step's tokens, one [batch] tensor per position from `streamed` to the last
+    one every row still `generating` has reached (to the end once none is): each row's token there, the pad token
+    past a finished row's end. Rows that accepted more wait for the others. Returns the positions now streamed."""
+    reached = min((tokens.lengths[row] for row in generating), default=max(tokens.lengths))
+    if reached <= streamed:
+        return streamed
+    device = tokens.buffer.device
+    positions = torch.arange(streamed, reached, device=device)
+    ends = torch.tensor(tokens.lengths, device=device)
+    columns = torch.where(positions[None] < ends[:, None], tokens.buffer[:, streamed:reached], tokens.pad_token_id)
+    for column in columns.T.contiguous().cpu():  # one copy to the host per round
         streamer.put(column)
+    return reached
 
 
 __all__ = [

@@ -233,19 +233,20 @@ def test_a_streamer_receives_the_tokens_as_they_are_accepted(model):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_a_streamer_gets_one_token_per_row_per_put_as_from_stock_generate(model, batch):
-    inputs, pad = mixed_lengths(batch, seed=1), model.generation_config.pad_token_id
-    streamer = Collector()
-    out = speculative(model, inputs, CONTROLLERS["fixed"](), streamer=streamer, num_assistant_tokens=4)
+def test_a_streamer_gets_what_stock_generate_puts(model, batch):
+    """One [batch] tensor per position, each row's token there, pads only past a row's end: rows that accepted
+    more than others in a round wait for them."""
+    inputs = mixed_lengths(batch, seed=1)
+    common = full_greedy(model, inputs)[:, 3].mode().values.item()  # rows end at different lengths
+    stock, streamer = Collector(), Collector()
+    full_greedy(model, inputs, streamer=stock, eos_token_id=common)
+    out = speculative(model, inputs, CONTROLLERS["fixed"](), streamer=streamer, num_assistant_tokens=4,
+                      eos_token_id=common)  # fmt: skip
     assert batch == 1 or len(set(out.accepted_tokens.tolist())) > 1  # rows emit different counts per round
-    prompt, *steps = streamer.puts  # the prompt comes from `generate` itself
-    assert torch.equal(prompt, out.sequences[:, :1])
-    assert all(step.shape == (batch,) and step.device.type == "cpu" for step in steps)
-    streamed = torch.stack(steps, dim=1)
-    if batch == 1:
-        assert streamed[0].tolist() == out.sequences[0, 1:].tolist()
-    for row, new in zip(streamed.tolist(), out.sequences[:, 1:].tolist(), strict=True):
-        assert [token for token in row if token != pad] == [token for token in new if token != pad]
+    assert all(put.shape == (batch,) and put.device.type == "cpu" for put in streamer.puts[1:])
+    assert len(streamer.puts) == len(stock.puts) and streamer.ended
+    for ours, theirs in zip(streamer.puts, stock.puts, strict=True):
+        assert torch.equal(ours.flatten(), theirs.flatten())
 
 
 class PerRequestBias(LogitsProcessor):
@@ -289,6 +290,44 @@ class PerRequestStop(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         return input_ids[:, -1] == self.tokens
+
+
+class ConfidentStop(StoppingCriteria):
+    """Stops a row once its last processed scores are confident: reads the scores, as stock `generate` gives them
+    under `output_scores`."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return scores[-1].softmax(dim=-1).max(dim=-1).values > 0.2
+
+
+def test_stopping_criteria_get_the_scores_so_far_and_finished_rows_are_certain_of_their_pad(model):
+    inputs = mixed_lengths(4, seed=1)
+    scored = {"output_scores": True, "stopping_criteria": [ConfidentStop()]}
+    expected = full_greedy(model, inputs, return_dict_in_generate=True, **scored)
+    ends = (expected.sequences[:, 1:] != model.generation_config.pad_token_id).sum(dim=1)
+    assert len(set(ends.tolist())) > 1  # rows end at different lengths
+    out = speculative(model, inputs, CONTROLLERS["fixed"](), num_assistant_tokens=4, **scored)
+    assert torch.equal(out.sequences, expected.sequences)
+    ours = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    theirs = model.compute_transition_scores(expected.sequences, expected.scores, normalize_logits=True)
+    assert bool(ours.isfinite().all())  # a finished row's pad is certain: no NaN from an all -inf step
+    for row, end in enumerate(ends.tolist()):
+        torch.testing.assert_close(ours[row, :end], theirs[row, :end], atol=1e-4, rtol=1e-4)
+        assert not ours[row, end:].any()
+
+
+def test_left_padded_decoder_prompts_give_the_full_models_tokens(model):
+    inputs = mixed_lengths(4, seed=2)
+    prompts = [[0, 17, 33], [0, 45], [0], [0, 9, 9]]
+    width = max(map(len, prompts))
+    padded = {
+        "decoder_input_ids": torch.tensor([[1] * (width - len(prompt)) + prompt for prompt in prompts]),
+        "decoder_attention_mask": torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts]),
+    }
+    expected = full_greedy(model, {**inputs, **padded})
+    for policy in ("fixed", "confidence"):
+        out = speculative(model, {**inputs, **padded}, CONTROLLERS[policy](), num_assistant_tokens=4)
+        assert torch.equal(out.sequences, expected), policy
 
 
 def test_stopping_criteria_that_key_on_the_rows_index_see_the_whole_batch(model):
