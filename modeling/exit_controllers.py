@@ -323,12 +323,18 @@ class ExitControllerList(ExitController, list):
 
 
 def checked_decision(decision: torch.Tensor, state: ExitState, controller: ExitController) -> torch.BoolTensor:
-    """A controller's answer as a BoolTensor[rows], or a ValueError that names the controller."""
+    """A controller's answer as a BoolTensor[rows], or a ValueError that names the controller. An integer tensor of
+    0 and 1 passes; a floating one is refused, since a score cast to bool would stop every row where it is not 0."""
     if not isinstance(decision, torch.Tensor) or decision.shape != (state.rows.shape[0],):
         shape = tuple(decision.shape) if isinstance(decision, torch.Tensor) else type(decision).__name__
         raise ValueError(
             f"`exit_controller` {controller!r} must return a BoolTensor of shape ({state.rows.shape[0]},) "
             f"(one decision per active row), got {shape}."
+        )
+    if decision.dtype.is_floating_point or decision.dtype.is_complex:
+        raise ValueError(
+            f"`exit_controller` {controller!r} must return a BoolTensor (one decision per row), got {decision.dtype}: "
+            "compare a score with a threshold (`ThresholdExit` does) rather than returning the score."
         )
     return decision if decision.dtype == torch.bool else decision.to(torch.bool)
 
@@ -351,8 +357,18 @@ def make_controller(
     if policy not in POLICY_NAMES:
         raise ValueError(f"Unknown `exit_policy` {policy!r}; choose one of {list(POLICY_NAMES)}.")
     if policy == "patience":
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not float(threshold).is_integer():
-            raise ValueError(f"`exit_threshold` of the patience policy is a layer count, got {threshold!r}.")
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not float(threshold).is_integer()
+            or threshold < 1
+        ):
+            raise ValueError(
+                f"`exit_threshold` of the patience policy is one layer count of at least 1 for the whole batch, got "
+                f"{threshold!r}."
+            )
+        if schedule != "constant":
+            raise ValueError(f"`exit_threshold_schedule` {schedule!r} needs a threshold to decay; patience has none.")
         return PatienceExit(int(threshold), **options)
     controller, defaults = POLICIES[policy]
     return controller(threshold, schedule, **{**defaults, **options})

@@ -12,6 +12,7 @@ from hf_earlyexit.modeling.exit_controllers import (
     ExitController,
     ExitControllerList,
     ExitState,
+    FixedLayerExit,
     MuEOfficialSchedule,
     MuEPaperSchedule,
     PatienceExit,
@@ -179,6 +180,14 @@ def test_a_user_controller_with_the_wrong_shape_is_named_in_the_error():
         ExitControllerList([Broken()])(exit_state)
 
 
+def test_a_user_controller_that_returns_scores_is_refused_not_cast():
+    """A readiness score cast to bool would stop every row whose score is not exactly 0; 0/1 integers pass."""
+    exit_state = state(torch.ones(3, 1, 2))
+    with pytest.raises(ValueError, match=r"must return a BoolTensor .* got torch.float32"):
+        checked_decision(torch.tensor([0.01, 0.0, 0.9]), exit_state, FixedLayerExit(1))
+    assert checked_decision(torch.tensor([1, 0, 1]), exit_state, FixedLayerExit(1)).tolist() == [True, False, True]
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
@@ -188,8 +197,10 @@ def test_a_user_controller_with_the_wrong_shape_is_named_in_the_error():
         (lambda: make_controller("similarity", 0.5, schedule="sometimes"), "exit_threshold_schedule"),
         (lambda: make_controller("similarity", 0.5, reduction="token"), "reduction"),
         (lambda: make_controller("confidence", 0.5, measure="vibes"), "measure"),
-        (lambda: make_controller("patience", 0), "patience"),
+        (lambda: make_controller("patience", 0), "`exit_threshold` of the patience policy"),
         (lambda: make_controller("patience", 1.5), "layer count"),
+        (lambda: make_controller("patience", [2, 3]), "one layer count .* for the whole batch"),
+        (lambda: make_controller("patience", 2, schedule="mue_official"), "`exit_threshold_schedule`"),
     ],
 )
 def test_bad_knobs_raise_value_errors_naming_them(make, message):
