@@ -3,6 +3,7 @@ trains exits on any image-text data set by column names, and the run behind `hf-
 `examples/` (their options: `hf_earlyexit.cli.add_training_arguments`)."""
 
 import argparse
+from collections.abc import Iterable
 from typing import Any
 
 import datasets
@@ -60,6 +61,9 @@ def train_exits(
     missing = [c for c in (image_column, text_column, target_column) if c and c not in train_dataset.column_names]
     if missing:
         raise ValueError(f"The data set has no column(s) {missing}; its columns are {train_dataset.column_names}.")
+    for column in (text_column, target_column):
+        if column:
+            check_texts(train_dataset[column], column, lists=column == target_column)
     args.remove_unused_columns = False  # the collator reads the raw image and text columns
     collator = ImageTextCollator(processor, image_column, text_column, target_column, prompt, labels=labels)
     trainer = EarlyExitTrainer(
@@ -72,6 +76,15 @@ def train_exits(
     )
     trainer.train()
     return trainer
+
+
+def check_texts(values: Iterable[Any], column: str, lists: bool) -> None:
+    """Every value of a text column is a string (`lists`: or a non-empty list of them, whose first is the target):
+    checked before training, since the collator meets a bad row only at its batch, after the earlier steps."""
+    for row, value in enumerate(values):
+        texts = value if lists and isinstance(value, list) and value else [value]
+        if not all(isinstance(text, str) for text in texts):
+            raise ValueError(f"Column {column!r}, row {row}: expected text, got {value!r}.")
 
 
 def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **training_arguments) -> EarlyExitTrainer:

@@ -146,3 +146,9 @@ def test_small_model_trains_on_a_data_set_by_column_names(tmp_path, processor):
     assert "loss_exit_1" in trainer.state.log_history[0]
     with pytest.raises(ValueError, match="no column"):
         train_exits(model, processor, shapes_dataset(), args, target_column="caption")
+    # A row without text is found before the first step, not when its batch comes.
+    rows = len(shapes_dataset())
+    for answers, row, bad in (([7] * rows, 0, 7), ([*shapes_dataset()["answer"][:-1], None], rows - 1, None)):
+        dataset = shapes_dataset().remove_columns("answer").add_column("answer", answers)
+        with pytest.raises(ValueError, match=rf"Column 'answer', row {row}: expected text, got {bad}"):
+            train_exits(model, processor, dataset, args)

@@ -58,6 +58,16 @@ def test_entailment_accuracy_overall_and_per_label():
         predictions=["yes", " No.", "yes", "maybe"], references=["yes", "no", "no", "no"]
     )
     assert scores == {"accuracy": 0.5, "accuracy_no": pytest.approx(1 / 3), "accuracy_yes": 1.0}
+    entailment = metrics.load("entailment_accuracy")
+    spaced = entailment.compute(predictions=["yes\n", "\tno", "Yes."], references=["yes", "no", " yes\n"])
+    assert spaced["accuracy"] == 1.0  # any whitespace around a label, as the punctuation
+    with pytest.raises(ValueError, match="reference label"):
+        entailment.compute(predictions=["yes"], references=[" \t"])
+
+
+def test_an_empty_vqa_reference_is_refused():
+    with pytest.raises(ValueError, match="none of them empty"):
+        metrics.load("vqa_accuracy").compute(predictions=[""], references=[[""]])
 
 
 def test_unknown_metric_raises():

@@ -16,7 +16,7 @@ Returns:
 
 
 def normalize(label: str) -> str:
-    return label.lower().strip(" .!?\"'")
+    return label.lower().strip().strip(".!?\"'").strip()
 
 
 class EntailmentAccuracy(evaluate.Metric):
@@ -33,6 +33,8 @@ class EntailmentAccuracy(evaluate.Metric):
     def _compute(self, predictions, references) -> dict:
         if not predictions:
             raise ValueError("No predictions to score: an accuracy needs at least one pair.")
+        if not all(normalize(reference) for reference in references):
+            raise ValueError("Every pair needs a reference label; an empty one (or only punctuation) was given.")
         correct = [normalize(p) == normalize(r) for p, r in zip(predictions, references, strict=True)]
         result = {"accuracy": sum(correct) / len(correct) if correct else 0.0}
         for label in sorted({normalize(r) for r in references}):

@@ -43,8 +43,8 @@ class VqaAccuracy(evaluate.Metric):
             raise ValueError("No predictions to score: an accuracy needs at least one question.")
         scores = []
         for prediction, answers in zip(predictions, references, strict=True):
-            if not answers:
-                raise ValueError("Every question needs at least one reference answer.")
+            if not answers or not all(normalize(answer) for answer in answers):
+                raise ValueError("Every question needs at least one reference answer, and none of them empty.")
             matches = sum(normalize(answer) == normalize(prediction) for answer in answers)
             scores.append(min(1.0, matches / min(3, len(answers))))
         return {"accuracy": sum(scores) / len(scores) if scores else 0.0}
