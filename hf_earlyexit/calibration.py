@@ -74,13 +74,18 @@ def pareto_frontier(points: Sequence[OperatingPoint]) -> list[OperatingPoint]:
     return frontier
 
 
+def check_tolerance(tolerance: float) -> None:
+    """ValueError unless the quality a setting may lose, a share of the full model's, lies in [0, 1)."""
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+        raise ValueError(f"`tolerance` must lie in [0, 1), got {tolerance}.")
+
+
 def fastest_within_tolerance(
     points: Sequence[OperatingPoint], full_quality: float, tolerance: float = 0.01
 ) -> OperatingPoint | None:
     """The point with the largest expected time reduction whose quality is at least (1 - tolerance) x the full
     model's (ties: the higher quality); None if no point qualifies."""
-    if not 0 <= tolerance < 1:
-        raise ValueError(f"`tolerance` must lie in [0, 1), got {tolerance}.")
+    check_tolerance(tolerance)
     eligible = [p for p in points if p.quality >= (1 - tolerance) * full_quality]
     return max(eligible, key=lambda p: (p.expected_time_reduction, p.quality), default=None)
 
@@ -196,8 +201,7 @@ def fastest_for_every_task(
 ) -> dict[str, Any] | None:
     """One setting for several tasks: among the settings every task's sweep evaluated, those within `tolerance` of
     the full model on every task, the one with the largest mean expected time reduction (None if none is)."""
-    if not 0 <= tolerance < 1:
-        raise ValueError(f"`tolerance` must lie in [0, 1), got {tolerance}.")
+    check_tolerance(tolerance)
     return fastest_on_every_task(
         {
             name: [point for point in points if point.quality >= (1 - tolerance) * full.quality]
@@ -298,7 +302,10 @@ def calibrate(
     the part costs, draws and writes.
     """
     levels = risk_levels(risk, tasks, delta)
+    check_tolerance(tolerance)
     grid = calibration_grid(model.config, decoder_thresholds, encoder_thresholds, batch_rules)
+    if not grid:
+        raise ValueError("Nothing to sweep: give decoder thresholds, or encoder thresholds for an encoder that exits.")
     # What each policy's tests cost, so that asking fewer layers (`max_exit_layer`) counts as time saved, and what
     # each encoder stream's tests cost, so that an encoder exit that saves little counts as a loss.
     askers = {policy: make_controller(policy, values[0]) for policy, values in decoder_thresholds.items() if values}
@@ -376,6 +383,9 @@ def risk_levels(
     missing = [name for name in tasks if name not in levels]
     if missing:
         raise ValueError(f"No risk level for {missing}: give one for every task, or one for all.")
+    unknown = sorted(set(levels) - set(tasks))
+    if unknown:
+        raise ValueError(f"Risk levels for {unknown}, which are not among the tasks {list(tasks)}.")
     for level in levels.values():
         check_risk(level, delta)
     return {name: levels[name] for name in tasks}

@@ -158,6 +158,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         DECODER_THRESHOLDS,
         ENCODER_THRESHOLDS,
         calibrate,
+        check_tolerance,
         not_chosen,
         risk_levels,
         save_calibration,
@@ -167,6 +168,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
     risk = parse_risk(args.risk) if args.risk else None
     risk_levels(risk, task_list(args.tasks), args.delta)  # checked before the model loads
+    check_tolerance(args.tolerance)
 
     with_default_samples(args, 300, 64)
     given = args.encoder_thresholds
@@ -181,7 +183,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     model, processor = load_for_this_process(args.model_dir)
     for rule in batch_rules:  # before the sweep, not at its first setting
         check_knobs(rule, model.config)
-    sweep = (args.tasks.split(","), args.split, args.samples, args.batch_size, args.tolerance, args.delta)
+    sweep = (task_list(args.tasks), args.split, args.samples, args.batch_size, args.tolerance, args.delta)
     report = calibrate(
         model, processor, *sweep, decoder_thresholds, encoder_thresholds, batch_rules,
         plot=(lambda sweeps, chosen: tradeoff_plot(sweeps, args.plot, chosen)) if args.plot else None,
@@ -201,7 +203,14 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 def calibrate_drafts(args: argparse.Namespace) -> None:
     """`calibrate --exit-mode speculative`: the drafts and draft length with the most tokens per second."""
-    from .draft_calibration import DRAFT_THRESHOLDS, calibrate_drafts, check_batch_sizes, drafting_grid
+    from .draft_calibration import (
+        DRAFT_THRESHOLDS,
+        calibrate_drafts,
+        check_batch_sizes,
+        drafting_grid,
+        no_drafts_chosen,
+        save_drafting_calibration,
+    )
 
     one_process("calibrate --exit-mode speculative")
     task_list(args.tasks)  # checked before the model loads
@@ -225,11 +234,16 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
     check_batch_sizes(args.batch_size, batch_sizes)
     model, processor = load_model_and_processor(args.model_dir)
     report = calibrate_drafts(
-        model, processor, args.tasks.split(","), args.split, args.samples, args.batch_size, thresholds, draft_tokens,
-        args.repeats, write_to=args.model_dir if args.write else None, progress=not args.quiet,
-        batch_sizes=batch_sizes,
+        model, processor, task_list(args.tasks), args.split, args.samples, args.batch_size, thresholds, draft_tokens,
+        args.repeats, progress=not args.quiet, batch_sizes=batch_sizes,
     )  # fmt: skip
-    print_report(report, args.json)
+    if args.write and report["chosen"] is not None:
+        report["written_to"] = save_drafting_calibration(model, report, args.model_dir)
+    print_report(report, args.json)  # also when nothing was chosen: the timings stay the user's
+    if report["chosen"] is None:
+        if args.write:
+            raise ValueError(f"{no_drafts_chosen(report)}: nothing written.")
+        print(f"{no_drafts_chosen(report)}.", file=sys.stderr)
 
 
 def policy_thresholds(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str, list[float]]:
@@ -268,8 +282,10 @@ def bench_model(args: argparse.Namespace, device: "torch.device") -> dict[str, A
     if args.forced_exit is not None or args.training_step:
         raise ValueError("Give a model folder (task benchmark) or --forced-exit / --training-step, not both.")
     check_samples(args)
+    if args.full:
+        raise ValueError("bench times the full model beside the exits anyway: drop --full.")
     model, processor = load_model_and_processor(args.model_dir)
-    knobs = run_knobs(model, args.full, **given_knobs(args))
+    knobs = run_knobs(model, **given_knobs(args))
     run = dict(samples=args.samples, batch_size=args.batch_size, repeats=args.repeats, device=device, dtype=args.dtype)
     return model_benchmark(
         model, processor, args.task, knobs, meteor=args.meteor, compiled_full=args.compiled_full, **run

@@ -295,9 +295,10 @@ def calibrate_drafts(
         largest size up to which it was never slower on any task (`largest_paying_batch_size`): calls with more rows
         decode with the full model.
 
-    write_to: the model's folder, where the choice is saved as speculative mode's defaults (`write_drafting_defaults`)
-        and the report as calibration_speculative.json; ValueError, and nothing written, when no setting was at least
-        as fast as the full model on every task.
+    Without `batch_sizes`, the choice's `draft_max_batch_size` is `batch_size`: drafts are known to pay up to there.
+
+    write_to: the model's folder, where the choice is saved (`save_drafting_calibration`); ValueError, and nothing
+        written, when no setting was at least as fast as the full model on every task.
     """
     grid = drafting_grid(thresholds, draft_tokens)
     if not grid:
@@ -330,6 +331,8 @@ def calibrate_drafts(
         )
         chosen, choice = choose_for_batch_sizes({batch_size: shortlist} | larger)
         report |= choice
+    elif chosen is not None:  # timed at `batch_size` only: drafting pays up to there, as far as anyone measured
+        chosen = {**chosen, "draft_max_batch_size": batch_size}
     report["chosen"] = chosen
     drafts = (
         None if chosen is None else {name: value for name, value in chosen.items() if name != "draft_max_batch_size"}
@@ -338,16 +341,25 @@ def calibrate_drafts(
         point = next((p for p in points if p.settings == drafts), None)
         report["tasks"][name]["chosen"] = None if point is None else point.report()
     if write_to is not None:
-        if chosen is None:
-            raise ValueError(
-                f"No drafting setting was as fast as the full model on every task at batch size {batch_size}: "
-                "nothing written."
-            )
-        write_drafting_defaults(model, chosen)
-        model.generation_config.save_pretrained(write_to)
-        Path(write_to, "calibration_speculative.json").write_text(json.dumps(report, indent=2) + "\n")
-        report["written_to"] = str(Path(write_to, "generation_config.json"))
+        report["written_to"] = save_drafting_calibration(model, report, write_to)
     return report
+
+
+def no_drafts_chosen(report: dict[str, Any]) -> str:
+    """Why a `calibrate_drafts` report chose nothing."""
+    return f"No drafting setting was as fast as the full model on every task at batch size {report['batch_size']}"
+
+
+def save_drafting_calibration(model, report: dict[str, Any], folder: str | Path) -> str:
+    """Save a `calibrate_drafts` report's choice as the model's speculative defaults in `folder`
+    (`write_drafting_defaults`, then generation_config.json) and the report as calibration_speculative.json; returns
+    the generation config's path. ValueError, and nothing written, when nothing was chosen."""
+    if report["chosen"] is None:
+        raise ValueError(f"{no_drafts_chosen(report)}: nothing written.")
+    write_drafting_defaults(model, report["chosen"])
+    model.generation_config.save_pretrained(folder)
+    Path(folder, "calibration_speculative.json").write_text(json.dumps(report, indent=2) + "\n")
+    return str(Path(folder, "generation_config.json"))
 
 
 __all__ = [
@@ -356,6 +368,8 @@ __all__ = [
     "DRAFT_TOKENS",
     "DraftingPoint",
     "calibrate_drafts",
+    "no_drafts_chosen",
+    "save_drafting_calibration",
     "choose_for_batch_sizes",
     "contenders",
     "drafting_grid",

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 from PIL import Image
+from transformers import GenerationConfig
 
 from hf_earlyexit.cli import main
 from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
@@ -12,6 +13,8 @@ from tests.helpers import tiny_model
 from tests.hf_earlyexit.test_data import shapes_dataset
 
 TRAIN = ["train", "--max-steps", "1", "--batch-size", "2", "--dataset"]
+NO_THRESHOLDS = ["calibrate", "{m}", "--tasks", "vqa", "--encoder-thresholds", "", "--similarity-thresholds", ""]
+NO_THRESHOLDS += ["--confidence-thresholds", ""]  # a grid with nothing to sweep
 
 
 @pytest.fixture
@@ -306,6 +309,39 @@ def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys):
         assert report["chosen"]["draft_max_batch_size"] == report["draft_max_batch_size"] in (1, 2)
 
 
+@pytest.mark.parametrize("drafts_speedup", [20.0, 0.05])
+def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
+    task_model_dir, capsys, monkeypatch, drafts_speedup
+):
+    """The clock is faked (the drafts timed `drafts_speedup` x as fast as the full model); the decoding is real. A
+    choice timed at one batch size drafts up to that size, whatever bound an earlier calibration saved; with nothing
+    chosen the timings are printed before the error. Task names may carry spaces."""
+    from hf_earlyexit import draft_calibration
+
+    timed = draft_calibration.paired_seconds
+
+    def faked(*args, **kwargs) -> dict[str, float]:
+        seconds = timed(*args, **kwargs)
+        return {name: value if name == "full" else value / drafts_speedup for name, value in seconds.items()}
+
+    monkeypatch.setattr(draft_calibration, "paired_seconds", faked)
+    saved = GenerationConfig.from_pretrained(task_model_dir)
+    saved.draft_max_batch_size = 8  # an earlier calibration's bound, for other drafts
+    saved.save_pretrained(task_model_dir)
+    argv = ["calibrate", str(task_model_dir), "--exit-mode", "speculative", "--tasks", "vqa, caption", "--samples", "2",
+            "--confidence-thresholds", "0.0", "--similarity-thresholds", "", "--draft-tokens", "2", "--repeats", "1",
+            "--quiet", "--json", "--write"]  # fmt: skip
+    status, captured = main(argv), capsys.readouterr()
+    report = json.loads(captured.out)
+    assert list(report["tasks"]) == ["vqa", "caption"]
+    written = json.loads((task_model_dir / "generation_config.json").read_text())
+    if drafts_speedup > 1:
+        assert status == 0 and report["chosen"]["draft_max_batch_size"] == 1 == written["draft_max_batch_size"]
+    else:
+        assert status == 2 and report["chosen"] is None and written["draft_max_batch_size"] == 8
+        assert captured.err.strip().endswith("nothing written.")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -336,6 +372,10 @@ def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys):
         (["calibrate", "{m}", "--tasks", "vqa", "--batch-size", "0"], "--batch-size must be positive"),
         (["calibrate", "{m}", "--tasks", "vqa", "--samples", "0"], "--samples must be positive"),
         (["eval", "{m}", "--task", "vqa", "--full", "--exit-threshold", "0.5"], "--full runs the full model"),
+        (["bench", "{m}", "--task", "vqa", "--full", "--exit-threshold", "0.5"], "drop --full"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--tolerance", "1.5"], "`tolerance` must lie in [0, 1)"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--risk", "vqa=0.1,captoin=0.1"], "not among the tasks"),
+        ([*NO_THRESHOLDS, "--risk", "0.1"], "Nothing to sweep"),
         (["bench", "{m}", "--forced-exit", "1"], "not both"),
         *(
             [(["bench", "{m}", "--task", "vqa", "--exit-threshold", "0.5", "--device", "cuda"], "no CUDA device")]
