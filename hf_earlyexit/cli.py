@@ -603,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--datasets", help="card metadata: data set ids, comma-separated")
     publish.add_argument("--base-model", help="card metadata: the model this one was fine-tuned from")
     publish.add_argument("--license", help="card metadata: licence id (e.g. mit, apache-2.0)")
-    publish.add_argument("--pipeline-tag", default="image-to-text")
+    publish.add_argument("--pipeline-tag", default="image-text-to-text")
     publish.set_defaults(run=cmd_publish)
     return parser
 

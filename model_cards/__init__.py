@@ -95,7 +95,7 @@ def render_model_card(
     datasets: list[str] | None = None,
     base_model: str | None = None,
     license: str | None = None,
-    pipeline_tag: str = "image-to-text",
+    pipeline_tag: str = "image-text-to-text",
     tags: Sequence[str] = (),
     calibration: dict[str, Any] | None = None,
 ) -> str:

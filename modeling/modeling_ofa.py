@@ -14,6 +14,7 @@ Two deliberate differences from the official port, both invisible on its inputs:
 """
 
 import functools
+import json
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -1739,7 +1740,27 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
     def set_output_embeddings(self, value: nn.Linear):
         self.decoder.output_projection = value
 
+    def _resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of=None, mean_resizing=True) -> nn.Embedding:
+        """Transformers resizes the input embeddings (the encoder's table) and the LM head; untied, the decoder has a
+        token table of its own, resized alike."""
+        embeddings = super()._resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        own = self.decoder.embed_tokens
+        if own is not embeddings:
+            resized = self._get_resized_embeddings(own, embeddings.num_embeddings, mean_resizing=mean_resizing)
+            self.decoder.embed_tokens = resized.requires_grad_(own.weight.requires_grad)
+        return embeddings
+
     def save_pretrained(self, save_directory, *args, **kwargs):
+        # Checked before anything is written: a knob that JSON cannot hold would fail halfway, leaving a broken folder.
+        for source, config in (("config", self.config), ("generation config", self.generation_config)):
+            for name in EXIT_KNOBS:
+                try:
+                    json.dumps(getattr(config, name, None))
+                except TypeError:
+                    raise ValueError(
+                        f"The {source}'s `{name}` ({type(getattr(config, name)).__name__}) cannot be saved as JSON: "
+                        "give it to `generate` per call, and save a JSON value (None, a number, a list) in its place."
+                    ) from None
         # An auto-created generation config is saved with `_from_model_config: true`, and its unknown keys (the
         # exit knobs calibration writes there) would then be dropped on reload.
         if any(hasattr(self.generation_config, name) for name in EXIT_KNOBS):
@@ -1811,6 +1832,11 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
                 output_attentions=output_attentions,
                 output_hidden_states=output_hidden_states,
                 inputs_embeds=inputs_embeds,
+            )
+        elif not isinstance(encoder_outputs, OFAEncoderOutput):
+            raise ValueError(
+                "`encoder_outputs` must be the OFAEncoderOutput that `model.get_encoder()` returns (the decoder reads "
+                f"its padding mask and image grid), got {type(encoder_outputs).__name__}."
             )
         if use_cache and past_key_values is None:
             past_key_values = new_cache(self.config, exit_settings)

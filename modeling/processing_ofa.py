@@ -370,7 +370,9 @@ class OFAProcessor(ProcessorMixin):
                     )
 
         if texts is not None and images is not None:
+            # A list, or one array or tensor: [batch, ...] when 4-D, else a single image.
             num_images = len(images) if isinstance(images, (list, tuple)) else 1
+            num_images = images.shape[0] if getattr(images, "ndim", 0) == 4 else num_images
             if num_images != len(texts):
                 raise ValueError(
                     f"Got {num_images} image(s) but {len(texts)} text(s): OFA pairs exactly one image with each text."
@@ -385,8 +387,7 @@ class OFAProcessor(ProcessorMixin):
                 padding=padding,
                 truncation=truncation,
                 max_length=max_length,
-                padding_side="right",
-                **text_kwargs,
+                **{"padding_side": "right", **text_kwargs},  # OFA pads on the right; the model takes either
             )
             data.update(text_inputs)
         if images is not None:

@@ -539,3 +539,11 @@ def test_embeddings_in_place_of_token_ids_give_the_same_outputs():
         model(**kwargs, inputs_embeds=as_embeddings["inputs_embeds"])
     with pytest.raises(ValueError, match="either `decoder_input_ids` or `decoder_inputs_embeds`"):
         model(**kwargs, decoder_inputs_embeds=as_embeddings["decoder_inputs_embeds"])
+
+
+def test_encoder_outputs_other_than_the_encoders_own_are_refused_by_name():
+    model = tiny_model()
+    inputs = tiny_inputs()
+    hidden = model.get_encoder()(**inputs).last_hidden_state
+    with pytest.raises(ValueError, match="`encoder_outputs` must be the OFAEncoderOutput .* got tuple"):
+        model(encoder_outputs=(hidden,), decoder_input_ids=torch.tensor([[0], [0]]))

@@ -248,6 +248,12 @@ def test_padding_stays_right_even_if_tokenizer_pads_left(image_processor):
     assert processor(text=[" yes", " no maybe"])["input_ids"] == [[0, 4420, 2, 1], [0, 117, 2085, 2]]
 
 
+def test_padding_side_asked_at_call_time_is_honoured(processor):
+    """OFA pads on the right, and the model takes either side (the same outputs): a caller may ask for the left."""
+    out = processor(text=[" yes", " no maybe"], padding_side="left")
+    assert out["input_ids"] == [[1, 0, 4420, 2], [0, 117, 2085, 2]] and out["attention_mask"][0] == [0, 1, 1, 1]
+
+
 def test_truncation_to_max_length(processor):
     out = processor(text=[CAPTION_PROMPT, " no"], max_length=4)
     assert out["input_ids"] == [[0, 99, 473, 2], [0, 117, 2, 1]]
@@ -312,6 +318,7 @@ def test_decode_and_batch_decode(processor):
         ({"text": []}, "`text` is an empty list"),
         ({"text": [" a", " b"], "images": Image.new("RGB", (4, 4))}, r"1 image\(s\) but 2 text\(s\)"),
         ({"text": " a", "images": [Image.new("RGB", (4, 4))] * 3}, r"3 image\(s\) but 1 text\(s\)"),
+        ({"text": " a", "images": torch.zeros(2, 3, 8, 8)}, r"2 image\(s\) but 1 text\(s\)"),  # a 4-D batch
         ({"text": " a", "images": "cat.jpg"}, "Unsupported image type str"),
         ({"images": []}, "empty list of images"),
     ],

@@ -175,3 +175,24 @@ def test_bad_config_overrides_at_load_are_refused_like_a_bad_config(tmp_path, ov
     tiny_model().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=message):
         AutoModel.from_pretrained(tmp_path, **overrides)
+
+
+def test_a_knob_json_cannot_hold_is_refused_before_anything_is_written(tmp_path):
+    from hf_earlyexit.modeling.exit_controllers import FixedLayerExit
+
+    model = tiny_model()
+    model.generation_config.exit_controller = FixedLayerExit(1)  # fine for `generate`, not for a JSON file
+    with pytest.raises(ValueError, match="generation config's `exit_controller` .* cannot be saved as JSON"):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+
+
+def test_resizing_an_untied_vocabulary_resizes_the_decoders_own_table(tmp_path):
+    model = tiny_model(tie_word_embeddings=False)
+    model.resize_token_embeddings(130)
+    tables = (model.encoder.embed_tokens, model.decoder.embed_tokens, model.decoder.output_projection)
+    assert [table.weight.shape[0] for table in tables] == [130] * 3 and model.config.vocab_size == 130
+    with torch.no_grad():
+        model(**tiny_inputs(), decoder_input_ids=torch.tensor([[0, 125], [0, 3]]))  # a new token's id
+    model.save_pretrained(tmp_path)
+    assert AutoModel.from_pretrained(tmp_path).decoder.embed_tokens.weight.shape[0] == 130
