@@ -452,9 +452,12 @@ DRAFT_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
 def completed(generation_config: GenerationConfig, model: GenerationMixin) -> GenerationConfig:
     """A call's own generation config as Transformers completes it: its unset fields, and the entries it lacks (the
-    exit knobs a calibration saved), from the model's generation config."""
+    exit knobs a calibration saved), from the model's generation config. An exit knob the call's config holds is its
+    own, None included: None means "no exit" there, not "unset", so `exit_threshold=None` asks for the full decoder."""
+    own = {name: getattr(generation_config, name) for name in EXIT_KNOBS if name in vars(generation_config)}
     generation_config = copy.deepcopy(generation_config)
     generation_config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    generation_config.update(**own)
     return generation_config
 
 

@@ -654,6 +654,11 @@ def test_defaults_come_from_the_config_and_the_generation_config_and_survive_sav
     assert bool(
         (reloaded.generate(**inputs, generation_config=explicit, return_dict_in_generate=True).exit_layers == 4).all()
     )
+    # A knob a passed config holds is the call's own, None ("no exit") included: it is not completed from the saved.
+    reloaded.generation_config.exit_threshold = -1.0
+    for full in (GenerationConfig(exit_threshold=None, max_new_tokens=3), GenerationConfig(**NO_EXIT)):
+        out = reloaded.generate(**inputs, generation_config=full, max_new_tokens=3, return_dict_in_generate=True)
+        assert bool((out.exit_layers == DEPTH).all())
 
 
 @pytest.mark.parametrize(
