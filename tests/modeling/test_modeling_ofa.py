@@ -260,23 +260,28 @@ def test_decoding_from_the_position_table_equals_the_per_step_biases():
         torch.testing.assert_close(steps(False, holes), steps(True, holes), atol=1e-5, rtol=1e-5)
 
 
+def assert_decodes_alike(model, reference, inputs: dict, atol: float) -> None:
+    """The same tokens and logits, greedy, from the full model and with every token leaving after layer 1 under
+    `propagate` (whose fill of the skipped layers folds their projections)."""
+    knobs = {"max_new_tokens": 6, "return_dict_in_generate": True, "output_logits": True}
+    with torch.no_grad():
+        for extra in ({}, {"exit_controller": FixedLayerExit(1), "kv_strategy": "propagate"}):
+            ours, expected = model.generate(**inputs, **knobs, **extra), reference.generate(**inputs, **knobs, **extra)
+            assert torch.equal(ours.sequences, expected.sequences), extra
+            torch.testing.assert_close(torch.stack(ours.logits), torch.stack(expected.logits), atol=atol, rtol=0)
+
+
 def test_decoding_follows_the_weights_as_they_are_at_each_call():
     """What decoding derives from the weights (the position table, the stacked cross-attention and folded
     `propagate` projections) is made per call: weights written through `.data` (weight averaging, a merged adapter)
     take effect at the next call, as they do in a fresh copy."""
     model, other = tiny_model(decoder_layers=3), tiny_model(seed=7, decoder_layers=3)
     inputs = tiny_inputs()
-    knobs = {"max_new_tokens": 6, "return_dict_in_generate": True, "output_logits": True}
-    exits = {"exit_controller": FixedLayerExit(1), "kv_strategy": "propagate"}  # skipped layers filled by folding
+    assert_decodes_alike(model, model, inputs, atol=0)  # derives from the old weights first
     with torch.no_grad():
-        for extra in ({}, exits):
-            model.generate(**inputs, **knobs, **extra)  # derives from the old weights first
         for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
             mine.data.copy_(theirs.data)  # no version bump: only a per-call derivation sees it
-        for extra in ({}, exits):
-            ours, expected = model.generate(**inputs, **knobs, **extra), other.generate(**inputs, **knobs, **extra)
-            assert torch.equal(ours.sequences, expected.sequences)
-            torch.testing.assert_close(torch.stack(ours.logits), torch.stack(expected.logits), atol=0, rtol=0)
+    assert_decodes_alike(model, other, inputs, atol=0)
 
 
 def test_hooked_and_adapted_projections_are_called_not_read():
@@ -293,12 +298,7 @@ def test_hooked_and_adapted_projections_are_called_not_read():
                 with torch.no_grad():
                     getattr(baked_attention, name).weight.mul_(2)
                     getattr(baked_attention, name).bias.mul_(2)
-    knobs = {"max_new_tokens": 6, "return_dict_in_generate": True, "output_logits": True}
-    with torch.no_grad():
-        for extra in ({}, {"exit_controller": FixedLayerExit(1), "kv_strategy": "propagate"}):
-            hooked, expected = model.generate(**inputs, **knobs, **extra), baked.generate(**inputs, **knobs, **extra)
-            assert torch.equal(hooked.sequences, expected.sequences)
-            torch.testing.assert_close(torch.stack(hooked.logits), torch.stack(expected.logits), atol=1e-5, rtol=0)
+    assert_decodes_alike(model, baked, inputs, atol=1e-5)
 
 
 def test_lora_on_the_key_value_projections_decodes_like_the_merged_model():
@@ -308,13 +308,7 @@ def test_lora_on_the_key_value_projections_decodes_like_the_merged_model():
         peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False),
     ).eval()
     merged = copy.deepcopy(model).merge_and_unload()  # the same adapters, merged into plain linear layers
-    inputs = tiny_inputs()
-    knobs = {"max_new_tokens": 6, "return_dict_in_generate": True, "output_logits": True}
-    with torch.no_grad():
-        for extra in ({}, {"exit_controller": FixedLayerExit(1), "kv_strategy": "propagate"}):
-            adapted, expected = model.generate(**inputs, **knobs, **extra), merged.generate(**inputs, **knobs, **extra)
-            assert torch.equal(adapted.sequences, expected.sequences)
-            torch.testing.assert_close(torch.stack(adapted.logits), torch.stack(expected.logits), atol=1e-4, rtol=0)
+    assert_decodes_alike(model, merged, tiny_inputs(), atol=1e-4)
 
 
 def test_a_model_offloaded_by_accelerate_decodes_like_the_loaded_one(tmp_path):
