@@ -10,9 +10,15 @@ The losses, one pure function per `exit_loss`, are in `losses`, with their formu
     none               L = w · CE(head(h_last), y)
 
 Every loss term is a sum over target tokens, divided by the target tokens of the whole accumulated batch on every
-process (the count the Trainer makes for `num_items_in_batch`), so gradient accumulation and data parallelism give
-the update of one large batch. Each term, as a per-token mean, is logged as `loss_exit_{layer}`,
-`loss_final`, `loss_adv_{layer}` and `loss_disc`.
+process (the count the Trainer makes for `num_items_in_batch`, from the decoder's mask for the label-free losses),
+so gradient accumulation and data parallelism give the update of one large batch. Each term, as a per-token mean
+over the tokens since the last log, is logged as `loss_exit_{layer}`, `loss_final`, `loss_adv_{layer}` and
+`loss_disc`.
+
+The discriminators and the exits alternate, as in FREE: on each micro-batch the discriminators step first, on the
+features just computed, and the generators' loss is then taken against the discriminators as they now are.
+With `freeze_backbone`, the backbone runs as at inference (no dropout or drop-path, BatchNorm statistics kept), so
+it stays bit-identical.
 
 With `encoder_exit_sampling`, a fraction of the rows see the encoder stopped after a random layer, so the same
 losses also teach the decoder to work from the states that encoder exits leave.
@@ -56,7 +62,7 @@ class EarlyExitTrainer(Seq2SeqTrainer):
 
     Takes every `Seq2SeqTrainer` argument; `args` must be an [`EarlyExitTrainingArguments`]. The model may be a PEFT
     model. For "adversarial" the trainer owns the discriminators (`self.discriminators`, outside the model): it
-    prepares them with Accelerate, steps them after each model step and saves them in every checkpoint.
+    prepares them with Accelerate, steps them before each generator loss and saves them in every checkpoint.
     """
 
     # `compute_loss` normalises by the accumulated batch's tokens (or divides by the accumulation steps itself).
@@ -84,8 +90,8 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             self.discriminators = ExitDiscriminators(
                 len(self.exit_points), config.d_model, args.discriminator_hidden_size
             )
+        # Per logged term, since the last log: (its token sum, the tokens) of each micro-batch.
         self._exit_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
-        self._adversarial_features: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # --- set-up checks --------------------------------------------------------------------------------------------
 
@@ -120,6 +126,11 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         if exit_loss == "adversarial" and config.exit_transformer_layers is None:
             raise ValueError(
                 "exit_loss='adversarial' trains BLIPEE's exit layers: set `exit_transformer_layers` in the config."
+            )
+        if exit_loss == "adversarial" and self.args.fp16:
+            raise ValueError(
+                "exit_loss='adversarial' with fp16: the discriminators' optimizer would share the model's gradient "
+                "scaler, which then updates twice a step; train in bf16 or float32."
             )
         has_heads = config.exit_adapter_dim is not None or config.exit_transformer_layers is not None
         if self.args.freeze_backbone and (not has_heads or exit_loss == "none"):
@@ -160,25 +171,48 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             raise ValueError(
                 f"exit_loss={self.args.exit_loss!r} needs `labels`; 'distill' and 'adversarial' do without."
             )
+        training = model.training
+        if training and self.args.freeze_backbone:
+            self.backbone_as_at_inference(model)
+        model_inputs = {name: value for name, value in inputs.items() if name != "labels"}
+        if labels is not None and "decoder_input_ids" not in model_inputs:  # the losses are ours: no model loss
+            decoder_start = self.accelerator.unwrap_model(model).prepare_decoder_input_ids_from_labels
+            model_inputs["decoder_input_ids"] = decoder_start(labels)
         outputs = model(
-            **inputs,
+            **model_inputs,
             use_cache=False,
             output_exit_hidden_states=self.args.exit_loss != "none",
-            exit_settings=self.sampled_encoder_exits(inputs) if model.training else None,
+            exit_settings=self.sampled_encoder_exits(inputs) if training else None,
         )
         # The target tokens: every loss reads the model's outputs there only, [batch, length] -> [N, ...].
         if labels is not None:
             mask = labels.ne(-100)
         else:
-            mask = inputs.get("decoder_attention_mask", torch.ones_like(inputs["decoder_input_ids"])).bool()
-        loss, terms = self.exit_loss_and_terms(model, outputs, mask, labels[mask] if labels is not None else None)
+            mask = decoder_targets(inputs)
+        targets = labels[mask] if labels is not None else None
+        loss, terms = self.exit_loss_and_terms(model, outputs, mask, targets, training)
         tokens = mask.sum()
-        # The Trainer's `num_items_in_batch` counts label tokens: without labels, the batch's own count serves.
-        loss = self.normalise(loss, model, num_items_in_batch if labels is not None else None, tokens)
-        if model.training:
+        loss = self.normalise(loss, training, num_items_in_batch, tokens)
+        if training:
             for name, term in terms.items():
-                self._exit_metrics[name].append(term.detach() / tokens.clamp(min=1))
+                self._exit_metrics[name].append(torch.stack([term.detach(), tokens.to(term.dtype)]))
         return (loss, outputs) if return_outputs else loss
+
+    def backbone_as_at_inference(self, model: nn.Module) -> None:
+        """`freeze_backbone`: every module in eval mode (no dropout or drop-path, BatchNorm statistics kept) but the
+        exit heads, which train."""
+        for name, module in self.accelerator.unwrap_model(model).named_modules():
+            module.train(any(part in name.split(".") for part in EXIT_HEAD_MODULES))
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        """The Trainer's, with `num_items_in_batch` counted for the label-free losses too: the decoder's target tokens
+        (its attention mask) of the accumulated batch on every process, as the Trainer counts label tokens."""
+        batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if num_items_in_batch is None and batches and "labels" not in batches[0]:
+            num_items_in_batch = sum(decoder_targets(batch).sum() for batch in batches).to(device)
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                num_items_in_batch = self.accelerator.gather(num_items_in_batch).sum()
+        return batches, num_items_in_batch
 
     def prediction_step(
         self,
@@ -199,10 +233,10 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         return loss, generated, labels
 
     def exit_loss_and_terms(
-        self, model: nn.Module, outputs: Any, mask: torch.Tensor, targets: torch.Tensor | None
+        self, model: nn.Module, outputs: Any, mask: torch.Tensor, targets: torch.Tensor | None, training: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`args.exit_loss` on the target tokens (`mask` [batch, length], `targets` [N] or None): the loss summed
-        over them and its terms (see `losses`)."""
+        over them and its terms (see `losses`). In `training`, the discriminators step first."""
         args, weights, smoothing = self.args, self.loss_weights, self.args.label_smoothing_factor
         final_logits = outputs.logits[mask]  # [N, V]
         if args.exit_loss == "none":
@@ -219,10 +253,10 @@ class EarlyExitTrainer(Seq2SeqTrainer):
                 )
             case "distill":
                 return distillation_loss(exits, head, final_logits, weights, args.distill_temperature)
-        # "adversarial": the discriminators judge the exits' features.
+        # "adversarial": the discriminators judge the exits' features, after their own step on them.
         fake = torch.stack(features)  # [exits, N, d]
-        if model.training:  # what `discriminator_step` trains on once the model has stepped
-            self._adversarial_features = (last.detach(), fake.detach())
+        if training:
+            self.discriminator_step(last.detach(), fake.detach())
         return adversarial_loss(
             exits,
             head,
@@ -243,32 +277,22 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         return torch.func.functional_call(discriminators, frozen, (features,))
 
     def normalise(
-        self, loss: torch.Tensor, model: nn.Module, num_items_in_batch: torch.Tensor | int | None, tokens: torch.Tensor
+        self, loss: torch.Tensor, training: bool, num_items_in_batch: torch.Tensor | int | None, tokens: torch.Tensor
     ) -> torch.Tensor:
         """The token sum `loss` divided by the target tokens of every process's accumulated batch when the Trainer
-        counted them (`num_items_in_batch`), else by this batch's `tokens` and the accumulation steps."""
+        counted them (`num_items_in_batch`), else (evaluation) by this batch's `tokens`."""
         if num_items_in_batch is not None:
             # DDP averages the gradients over processes, which the global count already accounted for.
-            scale = self.accelerator.num_processes if model.training and self.args.average_tokens_across_devices else 1
+            scale = self.accelerator.num_processes if training and self.args.average_tokens_across_devices else 1
             return loss / num_items_in_batch * scale
-        scale = 1 / self.current_gradient_accumulation_steps if model.training else 1
-        return loss / tokens * scale
+        return loss / tokens
 
     # --- the discriminators' step -------------------------------------------------------------------------------
 
-    def training_step(
-        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
-    ) -> torch.Tensor:
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        if self.discriminators is not None:
-            self.discriminator_step()
-        return loss
-
-    def discriminator_step(self) -> None:
-        """One step of the discriminators on the features of the micro-batch just trained (they follow gradient
-        accumulation: the prepared optimizer steps only at the accumulation boundary)."""
-        real, fake = self._adversarial_features
-        self._adversarial_features = None
+    def discriminator_step(self, real: torch.Tensor, fake: torch.Tensor) -> None:
+        """One step of the discriminators on this micro-batch's detached features, the last layer's `real` [N, d] and
+        the exits' `fake` [exits, N, d] (they follow gradient accumulation: the prepared optimizer steps only at the
+        accumulation boundary)."""
         self.discriminators.train()
         syncing = self.accelerator.sync_gradients
         with contextlib.nullcontext() if syncing else self.accelerator.no_sync(self.discriminators):
@@ -277,7 +301,7 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             self.accelerator.backward(loss / self.current_gradient_accumulation_steps)
         self.discriminator_optimizer.step()
         self.discriminator_optimizer.zero_grad()
-        self._exit_metrics["loss_disc"].append(loss.detach())
+        self._exit_metrics["loss_disc"].append(torch.stack([loss.detach(), torch.ones_like(loss.detach())]))
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
@@ -349,14 +373,20 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         (output / "README.md").write_text(card)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Adds each loss term's mean since the last log (averaged over processes) to the training logs."""
+        """Adds each loss term's per-token mean since the last log, over every process, to the training logs."""
         if "loss" in logs and self._exit_metrics:
             names = sorted(self._exit_metrics)
-            means = torch.stack([torch.stack(self._exit_metrics[name]).mean() for name in names])
-            means = self.accelerator.reduce(means, reduction="mean")
-            logs.update({name: float(value) for name, value in zip(names, means.tolist(), strict=True)})
+            sums = torch.stack([torch.stack(self._exit_metrics[name]).sum(dim=0) for name in names])  # [terms, 2]
+            sums = self.accelerator.reduce(sums, reduction="sum")
+            means = (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
+            logs.update({name: float(value) for name, value in zip(names, means, strict=True)})
             self._exit_metrics.clear()
         super().log(logs, start_time)
+
+
+def decoder_targets(inputs: dict[str, Any]) -> torch.Tensor:
+    """[batch, length] bool: the decoder's target tokens without labels (its attention mask, else every token)."""
+    return inputs.get("decoder_attention_mask", torch.ones_like(inputs["decoder_input_ids"])).bool()
 
 
 __all__ = ["EarlyExitTrainer"]

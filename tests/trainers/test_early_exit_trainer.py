@@ -20,12 +20,12 @@ DEPTH = 4
 class TinyCaptions(torch.utils.data.Dataset):
     """Random image-text pairs whose targets end in padding (-100) of varied length, so token counts differ."""
 
-    def __init__(self, size: int = 8, seed: int = 0, labels: bool = True):
+    def __init__(self, size: int = 8, seed: int = 0, labels: bool = True, lengths: tuple[int, ...] | None = None):
         inputs = tiny_inputs(batch=size, seed=seed, pad_last=0)
         generator = torch.Generator().manual_seed(seed)
         targets = torch.randint(3, 120, (size, 5), generator=generator)
         for row in range(size):
-            targets[row, 5 - row % 3 :] = -100
+            targets[row, lengths[row] if lengths else 5 - row % 3 :] = -100
         self.rows = [{name: value[i] for name, value in inputs.items()} for i in range(size)]
         for row, target in zip(self.rows, targets, strict=True):
             if labels:
@@ -164,26 +164,61 @@ def test_exit_layer_features_in_training_equal_those_generate_exits_with(tmp_pat
 # --- the Trainer loop -------------------------------------------------------------------------------------------
 
 
-def test_gradient_accumulation_gives_the_large_batch_update(tmp_path):
-    """Micro-batches with different numbers of target tokens: the loss is normalised by the whole batch's. (SGD:
-    Adam's g / sqrt(v) would blow float noise on near-zero gradients up to full steps.)"""
-    final = []
+@pytest.mark.parametrize("labels", [True, False], ids=["layerwise", "distill_without_labels"])
+def test_gradient_accumulation_gives_the_large_batch_update(tmp_path, labels):
+    """Micro-batches with different numbers of target tokens: the loss is normalised by the whole batch's, counted
+    from the decoder's mask when there are no labels. The logged terms are per-token means over the whole batch too:
+    uniform layer-wise terms sum to the loss. (SGD: Adam's g / sqrt(v) would blow float noise on near-zero gradients
+    up to full steps.)"""
+    final, logged = [], []
     for batch_size, accumulation in ((4, 1), (2, 2)):
         trainer = trainer_for(
             tmp_path,
+            dataset=TinyCaptions(size=4, labels=labels, lengths=(5, 5, 5, 1)),  # any two pairs: 10 and 6 tokens
             max_steps=1,
             per_device_train_batch_size=batch_size,
             gradient_accumulation_steps=accumulation,
-            exit_loss_weights="increasing",
+            exit_loss="layerwise" if labels else "distill",
+            exit_loss_weights="uniform",
             optim="sgd",
             learning_rate=0.1,
         )
         trainer.train()
         final.append(dict(trainer.model.named_parameters()))
+        logged.append(trainer.state.log_history[0])
     before = dict(tiny_model(decoder_layers=DEPTH).named_parameters())
     assert not torch.equal(final[0]["decoder.layers.0.fc1.weight"], before["decoder.layers.0.fc1.weight"])
     for name, parameter in final[0].items():
         torch.testing.assert_close(parameter, final[1][name], rtol=0, atol=2e-6, msg=name)
+    for log in logged:
+        terms = sum(value for name, value in log.items() if name.startswith(("loss_exit_", "loss_final")))
+        assert terms == pytest.approx(log["loss"], rel=1e-4)
+
+
+def test_a_frozen_backbone_runs_as_at_inference_and_stays_bit_identical(tmp_path):
+    """Its BatchNorm statistics are buffers, not parameters: a backbone in train mode would move them (and run
+    dropout). The exit heads train."""
+    model = tiny_model(decoder_layers=DEPTH, resnet_type="resnet50", exit_adapter_dim=8, dropout=0.3)
+    norms = [module for module in model.modules() if isinstance(module, torch.nn.BatchNorm2d)]
+    assert norms
+    before = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    trainer_for(tmp_path, model, exit_loss="deep_supervision", freeze_backbone=True, max_steps=1).train()
+    changed = {name for name, value in model.state_dict().items() if not torch.equal(value, before[name])}
+    assert changed and all("exit_adapters" in name for name in changed), sorted(changed)[:4]
+
+
+def test_the_discriminators_step_before_the_generators_loss_reads_them(tmp_path, monkeypatch):
+    """FREE's alternation: on each micro-batch the discriminators learn from its features, then the exits' loss is
+    taken against the discriminators as they now are."""
+    model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[1, 3])
+    trainer = trainer_for(tmp_path, model, exit_loss="adversarial", freeze_backbone=True, max_steps=2)
+    events = []
+    for name in ("discriminator_step", "frozen_discriminator_logits"):
+        method = getattr(trainer, name)
+        monkeypatch.setattr(trainer, name, lambda *args, _method=method, _name=name: (events.append(_name),
+                                                                                    _method(*args))[1])  # fmt: skip
+    trainer.train()
+    assert events == ["discriminator_step", "frozen_discriminator_logits"] * 2
 
 
 def test_adversarial_step_trains_exits_and_discriminators_and_leaves_the_frozen_backbone(tmp_path):
