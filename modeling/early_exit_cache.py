@@ -38,7 +38,8 @@ class SkippedSlots:
     slots: the step's positions. layers_run [batch]: the layers each row ran (the depth: none skipped).
     exit_outputs [batch, q, d]: the output of each early-stopped row's last layer. shallowest: the fewest layers a row
     ran when the step was recorded, i.e. the first layer index with an empty slot (a beam reordering can only raise
-    it). project: the decoder's K/V of exited states per layer.
+    it). project: the decoder's K/V of exited states per layer. ran: `layers_run` on the host, until a batch operation
+    moves its rows (reading it again is a device sync on a GPU).
     """
 
     slots: slice
@@ -46,6 +47,7 @@ class SkippedSlots:
     exit_outputs: torch.Tensor
     shallowest: int
     project: Callable[[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
+    ran: list[int] | None = None
 
 
 class EarlyExitCache(DynamicCache):
@@ -136,15 +138,15 @@ class EarlyExitCache(DynamicCache):
     def record_skipped(
         self,
         layers_run: torch.Tensor,
+        ran: list[int],
         slots: slice,
         exit_outputs: torch.Tensor,
         project: Callable[[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]],
     ) -> None:
         """After a decoding step: record the slots of the layers each row skipped. `layers_run` [batch] counts the
-        layers each row ran (the depth: none skipped); `exit_outputs` [batch, q, d] holds the output of its last
-        layer for the rows that stopped early. `project(first, hidden)` gives the K/V of hidden states in each layer
-        from `first` to the last. One host sync per step."""
-        ran = layers_run.tolist()
+        layers each row ran (the depth: none skipped), `ran` holds it on the host; `exit_outputs` [batch, q, d] holds
+        the output of its last layer for the rows that stopped early. `project(first, hidden)` gives the K/V of hidden
+        states in each layer from `first` to the last."""
         shallowest = min(ran)
         if shallowest >= self.num_layers:
             return
@@ -156,7 +158,7 @@ class EarlyExitCache(DynamicCache):
             self.pending[rows, slots] = exit_outputs[rows].to(self.pending.dtype)
             self.waiting_layers.update(ran[row] for row in exited)
             return
-        self.skipped.append(SkippedSlots(slots, layers_run, exit_outputs, shallowest, project))
+        self.skipped.append(SkippedSlots(slots, layers_run, exit_outputs, shallowest, project, ran))
 
     def fill_skipped(self, layer_idx: int | None = None) -> None:
         """`propagate` / `copy`: fill the recorded steps that left layer `layer_idx` empty for a row, each in all the
@@ -175,7 +177,7 @@ class EarlyExitCache(DynamicCache):
         whatever the number of rows and of layers they left at."""
         depth, slots = self.num_layers, step.slots
         by_depth: dict[int, list[int]] = {}
-        for row, ran in enumerate(step.layers_run.tolist()):
+        for row, ran in enumerate(step.layers_run.tolist() if step.ran is None else step.ran):
             if ran < depth:
                 by_depth.setdefault(ran, []).append(row)
         if not by_depth:  # the beams that skipped were dropped by a reordering
@@ -264,7 +266,7 @@ class EarlyExitCache(DynamicCache):
         if self.frontier is not None:
             self.frontier, self.pending = function(self.frontier), function(self.pending)
         for step in self.skipped:
-            step.layers_run, step.exit_outputs = function(step.layers_run), function(step.exit_outputs)
+            step.layers_run, step.exit_outputs, step.ran = function(step.layers_run), function(step.exit_outputs), None
         if self.ended is not None:
             self.ended = function(self.ended)
 

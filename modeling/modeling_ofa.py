@@ -1511,7 +1511,7 @@ class OFADecoder(nn.Module):
         if self_cache.kv_strategy == "propagate" and not torch.is_grad_enabled():
             folded = self_cache.derived("folded_key_value_projections", self.folded_key_value_projections)
             project = functools.partial(project, folded=folded) if folded is not None else project
-        self_cache.record_skipped(exits.layers_run, slots, exit_outputs, project)
+        self_cache.record_skipped(exits.layers_run, exits.layers_run_rows, slots, exit_outputs, project)
 
     def forward(
         self,

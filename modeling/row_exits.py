@@ -43,9 +43,10 @@ class ActiveRows:
     runs: list[tuple[int, int]]  # [start, end) in the batch
 
     @classmethod
-    def of(cls, index: torch.Tensor) -> "ActiveRows":
+    def of(cls, index: torch.Tensor, rows: list[int] | None = None) -> "ActiveRows":
+        """`rows`: `index` on the host, where the caller knows it (reading `index` is a device sync on a GPU)."""
         runs: list[list[int]] = []
-        for row in index.tolist():
+        for row in index.tolist() if rows is None else rows:
             if runs and runs[-1][1] == row:
                 runs[-1][1] += 1
             else:
@@ -59,6 +60,12 @@ def select_rows(tensor: torch.Tensor | None, keep: torch.Tensor | None) -> torch
     if tensor is None or keep is None or tensor.shape[0] == 1:
         return tensor
     return tensor[keep]
+
+
+def true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The positions of the `count` True entries of `mask` [rows], ascending. The host knows `count`, so the device
+    is not read (indexing by the mask would read it: a sync per call on a GPU)."""
+    return torch.nonzero_static(mask, size=count)[:, 0]
 
 
 def computed(state: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -191,9 +198,12 @@ class RowExits:
     ready or departed row left with.
 
     exit_layers [batch]: the layer each row's output comes from (the loop's depth for rows never ready).
-    layers_run [batch]: the layers each row ran (deeper than its exit layer when its plan kept it running).
+    layers_run [batch]: the layers each row ran (deeper than its exit layer when its plan kept it running);
+    `layers_run_rows` holds it on the host.
     running [rows]: the batch indices of the rows the layers run on, ascending.
     waiting [rows]: which running rows are not ready yet.
+    The host keeps `running` and `waiting` as lists too, from the one read of each stop decision, so that nothing
+    else reads the device.
     active: `running` as `ActiveRows` for attention over the whole batch's cache; None while every row runs.
     """
 
@@ -209,9 +219,15 @@ class RowExits:
     ):
         self.exit_layers = torch.full((batch_size,), depth, dtype=torch.long, device=device)
         self.layers_run = self.exit_layers.clone()
+        self.depth = depth
         self.running = torch.arange(batch_size, device=device)
         self.waiting = torch.ones(batch_size, dtype=torch.bool, device=device)
         self.waiting_count = batch_size
+        # On the host, from the first stop on: a loop where no row stops (the full model, which exports with a
+        # dynamic batch size) never makes lists of its batch size.
+        self.layers_run_rows: list[int] | None = None
+        self._running_rows: list[int] | None = None
+        self._waiting_rows: list[bool] | None = None
         self.active: ActiveRows | None = None
         self.plan = plan or CompactPlan()
         self.token_from_batch_layer = token_from_batch_layer
@@ -234,23 +250,32 @@ class RowExits:
         layers. Returns the per-row tensors in `carried` for the rows that run on; sets `finished` when none waits."""
         if self.waiting_count < len(self.running):
             stop = stop & self.waiting
-        stopping = sum(stop.tolist())  # one host read, cheaper than a sum op on a few rows
+        stops = stop.tolist()  # the one host read of a stop
+        stopping = sum(stops)
         if stopping == 0:
             return carried
         batch = len(self.exit_layers)
+        if self._running_rows is None:
+            self.layers_run_rows, self._running_rows = [self.depth] * batch, list(range(batch))
+            self._waiting_rows = [True] * batch  # no row stopped before
         if stopping < self.waiting_count and self.enough_ready(batch - self.waiting_count + stopping):
-            stop, stopping = self.waiting, self.waiting_count  # enough rows are ready: the batch stops
-        self.exit_layers[self.running[stop]] = layer
+            stop, stops, stopping = self.waiting, self._waiting_rows, self.waiting_count  # the batch stops
+        positions = true_positions(stop, stopping)
+        rows = self.running[positions]
+        self.exit_layers[rows] = layer
         self.waiting_count -= stopping
+        self._waiting_rows = [waits and not now for waits, now in zip(self._waiting_rows, stops, strict=True)]
         together = stopping == len(self.running)
         for name, state in ready.items():
-            self.keep_state(name, computed(state) if together else computed(state)[stop], self.running[stop])
+            self.keep_state(name, computed(state) if together else computed(state)[positions], rows)
         if self.waiting_count == 0:
             self.finished = True
             self.stopped_together = len(self.running) == batch and (
                 self.token_from_batch_layer or not self._earlier_stops
             )
             self.layers_run[self.running] = layer
+            for row in self._running_rows:
+                self.layers_run_rows[row] = layer
             for name, state in leaving.items():
                 self.keep_state(name, computed(state), self.running)
             return carried
@@ -269,15 +294,21 @@ class RowExits:
 
     def compact(self, layer: int, leaving: States, carried: tuple) -> tuple:
         """The ready rows leave the layers after `layer` with their `leaving` states; returns `carried` for the rest."""
-        keep = self.waiting
-        gone = self.running[~keep]
+        kept = true_positions(self.waiting, self.waiting_count)
+        left = true_positions(~self.waiting, len(self.running) - self.waiting_count)
+        gone = self.running[left]
         self.layers_run[gone] = layer
+        for row, waits in zip(self._running_rows, self._waiting_rows, strict=True):
+            if not waits:
+                self.layers_run_rows[row] = layer
         for name, state in leaving.items():
-            self.keep_state(name, computed(state)[~keep], gone)
-        self.running = self.running[keep]
-        self.waiting = keep[keep]
-        self.active = ActiveRows.of(self.running)
-        return tuple(select_rows(tensor, keep) for tensor in carried)
+            self.keep_state(name, computed(state)[left], gone)
+        self.running = self.running[kept]
+        self.waiting = self.waiting.new_ones(self.waiting_count)
+        self._running_rows = [row for row, waits in zip(self._running_rows, self._waiting_rows, strict=True) if waits]
+        self._waiting_rows = [True] * self.waiting_count
+        self.active = ActiveRows.of(self.running, self._running_rows)
+        return tuple(select_rows(tensor, kept) for tensor in carried)
 
     def keep_state(self, name: str, state: torch.Tensor, rows: torch.Tensor) -> None:
         if name not in self._states and len(rows) == len(self.exit_layers):  # the whole batch at once: no copy
@@ -298,7 +329,8 @@ class RowExits:
         if kept is None:  # no row is ready yet: every row runs
             return running_state
         state = kept.clone()
-        state[self.running[self.waiting]] = running_state[self.waiting]
+        waiting = true_positions(self.waiting, self.waiting_count)
+        state[self.running[waiting]] = running_state[waiting]
         return state
 
     def spread(self, running_state: torch.Tensor | None) -> torch.Tensor | None:
@@ -323,7 +355,8 @@ class RowExits:
         if stopped is None:
             return running_state
         if self.waiting_count:
-            stopped[self.running[self.waiting]] = running_state[self.waiting]
+            waiting = true_positions(self.waiting, self.waiting_count)
+            stopped[self.running[waiting]] = running_state[waiting]
         return stopped
 
 
@@ -337,4 +370,5 @@ __all__ = [
     "median_seconds",
     "random_state_kept",
     "select_rows",
+    "true_positions",
 ]

@@ -2,13 +2,15 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from hf_earlyexit.modeling.early_exit_cache import KV_STRATEGIES, EarlyExitCache
 from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, ExitController, FixedLayerExit, PatienceExit
 from hf_earlyexit.modeling.exit_knobs import NO_EXIT
 from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings, new_cache
-from hf_earlyexit.modeling.row_exits import LayerCosts
+from hf_earlyexit.modeling.modeling_ofa import OFADecoder
+from hf_earlyexit.modeling.row_exits import LayerCosts, RowExits
 from tests.helpers import tiny_config, tiny_inputs, tiny_model
 
 DEPTH = 4  # decoder layers of the models here
@@ -589,6 +591,55 @@ def test_teacher_forced_forward_with_exits_uses_each_rows_exit_state(model):
         expected = model.decoder.exit_logits(full.decoder_hidden_states[row + 1][row])
         torch.testing.assert_close(exited.logits[row], expected, rtol=0, atol=1e-5)
     assert exited.exit_layers.tolist() == [1, 2]
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts what the host reads of tensors (each a sync on a GPU): `item`/`bool`/`int`, `nonzero`, an index by a
+    mask, and `tolist` (which reads a CPU tensor's memory without an op)."""
+
+    reads_ops = {"_local_scalar_dense", "nonzero", "masked_select"}
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.counting, self.reads = False, 0
+        tolist = torch.Tensor.tolist
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda tensor: (self.count(), tolist(tensor))[1])
+
+    def count(self) -> None:
+        self.reads += self.counting
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        indices = args[1] if name.startswith(("index", "_index_put")) and len(args) > 1 else ()
+        if name in self.reads_ops or any(getattr(index, "dtype", None) == torch.bool for index in indices):
+            self.count()
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("row_exit", "strategy"),
+    [("keep", "propagate"), ("keep", "recompute"), ("compact", "propagate"), ("compact", "copy")],
+)
+def test_a_decoding_step_reads_the_device_only_for_its_exit_questions(model, row_exit, strategy, monkeypatch):
+    """A GPU stalls at each read: the decoder reads each exit question's answer once, and nothing else, while rows
+    stop at scattered layers (batch 4, padded). Recompute's catch-ups under compaction read their shapes."""
+    questions, reads = [], DeviceReads(monkeypatch)
+    decoder_forward, stop = OFADecoder.forward, RowExits.stop
+
+    def counted_forward(*args, **kwargs):
+        reads.counting = True
+        try:
+            return decoder_forward(*args, **kwargs)
+        finally:
+            reads.counting = False
+
+    monkeypatch.setattr(OFADecoder, "forward", counted_forward)
+    monkeypatch.setattr(RowExits, "stop", lambda exits, *args: (questions.append(1), stop(exits, *args))[1])
+    with reads:
+        out = generate(model, batch_of(4), "greedy", exit_controller=mixed_exits(), kv_strategy=strategy,
+                       row_exit=row_exit)  # fmt: skip
+    assert len(set(generated_layers(out).tolist())) > 2  # scattered
+    assert reads.reads == len(questions) > 0
 
 
 # --- encoder exits ---------------------------------------------------------------------------------------------------
