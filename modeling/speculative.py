@@ -165,7 +165,7 @@ class CappedDraft(ExitController):
 
     def forced_rows(self) -> list[int]:
         """The rows this step stopped at their cap although the controller was not ready there."""
-        return self.forced.nonzero()[:, 0].tolist()
+        return [row for row, forced in enumerate(self.forced.tolist()) if forced]  # one device read
 
 
 @dataclass
@@ -298,7 +298,8 @@ class SpeculativeDecoding:
             drafts.append(Draft(picked, logits, scores, exit_layers))
             kept += going.long()
             if self.eos_token_ids is not None:
-                ended = set((torch.isin(picked, self.eos_token_ids) & going).nonzero()[:, 0].tolist())
+                ends = (torch.isin(picked, self.eos_token_ids) & going).tolist()
+                ended = {row for row, end in enumerate(ends) if end}
                 drafting = [row for row in drafting if row not in ended]
                 going[list(ended)] = False
             inputs = torch.where(going, picked, self.pad_token_id)
@@ -375,8 +376,8 @@ class RoundLog:
         self.accepted = [0] * batch
         self.rounds = [0] * batch
 
-    def add(self, row: int, result: RoundResult, index: int) -> None:
-        self.exit_layers[row].append(int(result.exit_layers[row, index]))
+    def add(self, row: int, result: RoundResult, index: int, exit_layer: int) -> None:
+        self.exit_layers[row].append(exit_layer)
         if self.scores is not None:
             self.scores[row].append(result.scores[row, index])
         if self.logits is not None:
@@ -465,7 +466,7 @@ def commit_round(
     """Append each row's emitted tokens one at a time, checking the stopping criteria after each on the row's own
     sequence (so a row stops exactly where the full model's loop would); returns how many tokens each row appended
     [batch] and the rows still generating."""
-    accepted, drafted = result.accepted.tolist(), result.drafted.tolist()
+    accepted, drafted, exit_layers = result.accepted.tolist(), result.drafted.tolist(), result.exit_layers.tolist()
     for row in rows:
         log.drafted[row] += drafted[row]
         log.rounds[row] += 1
@@ -479,7 +480,7 @@ def commit_round(
         for row in active:
             tokens.lengths[row] += 1
             appended[row] += 1
-            log.add(row, result, index)
+            log.add(row, result, index, exit_layers[row][index])
             log.accepted[row] += index < accepted[row]
         stopped = stopped_rows(stopping_criteria, tokens, active, log)
         going = [row for row in going if row not in stopped]
