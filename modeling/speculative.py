@@ -13,6 +13,9 @@ Acceptance is Leviathan et al.'s: greedy keeps the longest run of drafts equal t
 the full model's own token; sampling accepts a draft x with probability min(1, p(x) / q(x)) and on the first rejection
 samples from normalise(max(0, p - q)). p and q are the distributions after the call's logits processors, each on its
 row's own prefix, so the output is the full model's: token for token when greedy, in distribution when sampling.
+That holds for processors and stopping criteria that are functions of a row's own tokens, as in Transformers'
+assisted decoding: they are called at every drafted and verified position, so one that counts its calls or reads
+the other rows (which stand at other lengths) sees what the full model's loop would not show it.
 
 Rows advance independently. A round opens k + 1 slots in every row; the slots of a row's rejected drafts become holes,
 masked in the decoder's attention mask and skipped by its position ids (which count each row's real tokens). Holes

@@ -79,6 +79,19 @@ def test_exits_that_never_fire_give_the_full_model(model, mode, size, strategy):
     assert bool((full.encoder_exit_layers == 3).all())
 
 
+@pytest.mark.parametrize(
+    "end_tokens", [dict(decoder_start_token_id=2), dict(eos_token_id=[2, 0])], ids=["bart", "list"]
+)
+def test_a_start_token_that_is_an_end_token_does_not_end_the_row(model, end_tokens):
+    """BART starts decoding with its end token: the row fed it has generated nothing yet, so it is not finished (a
+    finished row leaves at the first exit)."""
+    inputs = batch_of(2)
+    full = generate(model, inputs, "greedy", **end_tokens)
+    never = generate(model, inputs, "greedy", exit_threshold=1.0, **end_tokens)
+    assert torch.equal(never.sequences, full.sequences)
+    assert bool((generated_layers(never) == DEPTH).all())
+
+
 def test_full_model_reports_full_depth_and_beam_padding_as_zero(model):
     out = generate(model, batch_of(4), "beam")
     finished_early = out.sequences[:, 1:] == model.config.pad_token_id
@@ -452,9 +465,12 @@ def test_rows_fed_their_end_token_stop_at_the_first_exit_from_then_on(model):
             layers = [
                 model.decoder(torch.tensor(step)[:, None], encoder_outputs, past_key_values=cache,
                               exit_settings=settings).exit_layers.tolist()
-                for step in ([5, pad, 7, 9], [6, 8, pad, 7], [pad, 8, pad, pad])
+                for step in ([7, 7, 7, 7], [5, pad, 7, 9], [6, 8, pad, 7], [pad, 8, pad, pad])
             ]  # fmt: skip
-            assert layers == [[DEPTH, DEPTH, 2, DEPTH], [DEPTH, DEPTH, 2, 2], [DEPTH, DEPTH, 2, 2]], row_exit
+            # The first step feeds the start token (here an end token, as in BART): nothing generated, none finished.
+            assert layers == [[DEPTH] * 4, [DEPTH, DEPTH, 2, DEPTH], [DEPTH, DEPTH, 2, 2], [DEPTH, DEPTH, 2, 2]], (
+                row_exit
+            )
         # Without a call's end tokens (beam search, a plain forward) no row is finished.
         tokens = torch.tensor([[5], [pad], [7], [9]])
         out = model.decoder(tokens, encoder_outputs, exit_settings=EarlyExitSettings(decoder=NeverExit()))
