@@ -58,7 +58,8 @@ def train_exits(
 ) -> EarlyExitTrainer:
     """Train `model`'s exits with `args.exit_loss` on `train_dataset` (columns by name) and return the trainer.
     `labels=False` trains without them (the label-free losses: "distill", "adversarial")."""
-    missing = [c for c in (image_column, text_column, target_column) if c and c not in train_dataset.column_names]
+    columns = (image_column, target_column, text_column) if text_column else (image_column, target_column)
+    missing = [column for column in columns if column not in train_dataset.column_names]  # "" included: never a column
     if missing:
         raise ValueError(f"The data set has no column(s) {missing}; its columns are {train_dataset.column_names}.")
     for column in (text_column, target_column):

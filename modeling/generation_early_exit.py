@@ -190,11 +190,13 @@ class EarlyExitSettings:
         )
 
     def reset_controllers(self) -> None:
-        """Controllers that keep state across layers (patience) forget earlier calls."""
+        """Controllers that keep state across layers (patience) forget earlier calls. Read by attribute, not by
+        `isinstance(..., ExitController)`: a model loaded as remote code has its own copy of that class, and the
+        user's controllers come from the package's."""
         for part in EXIT_PARTS:
-            controller = getattr(self, part)
-            if isinstance(controller, ExitController):
-                controller.reset()
+            reset = getattr(getattr(self, part), "reset", None)
+            if callable(reset):
+                reset()
 
 
 # The thresholds of decoder controllers, whose rows are a request's beams and returned sequences.
@@ -242,7 +244,7 @@ _CLAIMED_LOCK = threading.Lock()
 def stateful_controllers_claimed(settings: EarlyExitSettings) -> Iterator[None]:
     """Hold `settings`' stateful controllers for one `generate` call; ValueError if another call holds one."""
     controllers = [getattr(settings, part) for part in EXIT_PARTS]
-    stateful = {id(c) for c in controllers if isinstance(c, ExitController) and c.keeps_state}
+    stateful = {id(c) for c in controllers if getattr(c, "keeps_state", False)}  # any copy of `ExitController`
     with _CLAIMED_LOCK:
         if stateful & _CLAIMED:
             raise ValueError(

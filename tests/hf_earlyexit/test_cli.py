@@ -83,6 +83,7 @@ def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_to
         (lambda d, t: ["bench", "--forced-exit", "1", "--preset", "tiny", "--device", "gpu0"], "torch device"),
         (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--exit-loss", "early"], "exit_loss"),
         (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--target-column", "x"], "no column"),
+        (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--target-column", ""], "no column"),
         (lambda d, t: [*TRAIN, str(t / "nowhere"), "--output-dir", str(t / "o")], "nowhere"),
         (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--model-dir", str(t)], "no config"),
         (

@@ -92,6 +92,54 @@ def test_remote_code_loads_without_the_package_and_exits_early(tmp_path, exit_he
         assert bool(((exit_layers > 0) & (exit_layers < 4)).any())  # the saved default really exits
 
 
+CONTROLLERS_SUBPROCESS = """
+import sys
+import torch
+from transformers import AutoModel
+inputs = torch.load(sys.argv[2])
+model = AutoModel.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
+from hf_earlyexit import PatienceExit  # the user's controllers come from the package, the model from remote code
+
+
+class Nested(PatienceExit):
+    resets, answers = 0, []  # its constructor resets once
+
+    def reset(self):
+        super().reset()
+        Nested.resets += 1
+
+    def __call__(self, state):
+        if not Nested.answers:  # a second call with this instance while the first runs
+            try:
+                model.generate(**inputs, max_new_tokens=2, exit_controller=self)
+                Nested.answers.append("accepted")
+            except ValueError as error:
+                Nested.answers.append(str(error))
+        return super().__call__(state)
+
+
+controller = Nested(2)
+for _ in range(2):
+    model.generate(**inputs, max_new_tokens=4, exit_controller=controller)
+print(Nested.resets, Nested.answers[0])
+"""
+
+
+def test_the_packages_controllers_keep_their_contract_on_a_remote_code_model(tmp_path):
+    """Remote code has its own copy of `ExitController`: a `PatienceExit` from the package is still reset before each
+    call, and a second call with it while one runs is still refused."""
+    tiny_model(decoder_layers=4).save_pretrained(tmp_path / "model")
+    torch.save(tiny_inputs(), tmp_path / "inputs.pt")
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    done = subprocess.run(
+        [sys.executable, "-c", CONTROLLERS_SUBPROCESS, str(tmp_path / "model"), str(tmp_path / "inputs.pt")],
+        check=True, env=environment, cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    resets, answer = done.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert int(resets) == 1 + 2 and "running in another `generate` call" in answer, done.stdout
+
+
 PROCESSOR_SUBPROCESS = """
 import sys
 sys.modules["hf_earlyexit"] = None
