@@ -323,9 +323,13 @@ def calibrate(
             lambda inputs=inputs: measure_part_costs(model, inputs, askers=askers, encoder_askers=encoder_askers)
         )
         if levels is not None:
-            ordering_inputs, inputs = inputs.split_at(max(1, round(ORDERING_SHARE * inputs.samples)))
+            given = inputs.samples
+            ordering_inputs, inputs = inputs.split_at(max(1, round(ORDERING_SHARE * given)))
             if not inputs.batches:
-                raise ValueError(f"{name}: too few samples to both order the grid and test it; give more samples.")
+                raise ValueError(
+                    f"{name}: {given} samples are too few to both order the grid (on {ORDERING_SHARE:.0%} of them) and "
+                    "test it; give more samples."
+                )
             _, ordering = sweep(model, processor, ordering_inputs, grid, costs, progress, "ordering the grid on")
             orderings[name] = (ordering, ordering_inputs.samples)
         sweeps[name] = sweep(model, processor, inputs, grid, costs, progress=progress)

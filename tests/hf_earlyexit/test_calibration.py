@@ -156,7 +156,7 @@ def test_calibrate_with_a_risk_orders_on_a_tenth_and_certifies_on_the_rest(tmp_p
     assert stopped["samples_needed"] == 161  # 0.99^n <= 0.2
     with pytest.raises(ValueError, match=r"No setting is certified .*vqa 1.0%.* \{'vqa': 161\}: nothing written"):
         save_calibration(model, report, tmp_path)
-    with pytest.raises(ValueError, match="too few samples"):
+    with pytest.raises(ValueError, match="samples are too few"):
         calibrate(model, processor, ["vqa"], **{**sweep, "samples": 2}, risk=0.5, progress=False)
 
 
