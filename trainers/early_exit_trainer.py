@@ -84,7 +84,7 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         self.check_exit_heads(config)
         if args.freeze_backbone:
             for name, parameter in self.model.named_parameters():
-                parameter.requires_grad_(any(part in name.split(".") for part in EXIT_HEAD_MODULES))
+                parameter.requires_grad_(in_exit_head(name))
         self.discriminators = self.discriminator_optimizer = None
         if args.exit_loss == "adversarial":
             self.discriminators = ExitDiscriminators(
@@ -202,7 +202,7 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         """`freeze_backbone`: every module in eval mode (no dropout or drop-path, BatchNorm statistics kept) but the
         exit heads, which train."""
         for name, module in self.accelerator.unwrap_model(model).named_modules():
-            module.train(any(part in name.split(".") for part in EXIT_HEAD_MODULES))
+            module.train(in_exit_head(name))
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         """The Trainer's, with `num_items_in_batch` counted for the label-free losses too: the decoder's target tokens
@@ -382,6 +382,11 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             logs.update({name: float(value) for name, value in zip(names, means, strict=True)})
             self._exit_metrics.clear()
         super().log(logs, start_time)
+
+
+def in_exit_head(name: str) -> bool:
+    """Whether the parameter or module `name` belongs to an exit head (what `freeze_backbone` leaves training)."""
+    return any(part in name.split(".") for part in EXIT_HEAD_MODULES)
 
 
 def decoder_targets(inputs: dict[str, Any]) -> torch.Tensor:
