@@ -12,6 +12,10 @@ filled by the `kv_strategy`:
   `frontier`). When a later token of that row reaches that layer, the decoder first runs the layer on the waiting
   states (`pending_inputs` -> layer -> `advance`), so the finished K/V equal a full-depth pass.
 
+Each step's new slots are views of buffers with room for more (`Room`): growing by one token does not copy the
+whole cache per layer, as a `DynamicCache`'s concatenation does (at batch 16 on a CPU, fresh allocations of that size
+cost more than the copy).
+
 `propagate` and `copy` fill late too: only when a later token is about to run a layer that an earlier token
 skipped (`fill_skipped(layer_idx)`). The slots no later token reads are never filled: those of the last token, and
 all of them when the tokens after stop at the same depth or shallower (a short answer: its end-of-sequence token
@@ -29,6 +33,71 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .exit_knobs import KV_STRATEGIES
+
+
+@dataclass
+class Room:
+    """A buffer that a cache tensor is a prefix view of along `dim`, with room for more slots. Its slots from `used` on
+    are zeros: no view has shown them since it was made."""
+
+    buffer: torch.Tensor
+    dim: int
+    used: int = 0
+
+    def fits(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a tensor of `shape` fits: the same dimensions but `dim`, no longer, the same dtype and device."""
+        buffer, dim = self.buffer, self.dim
+        return (
+            buffer.shape[:dim] == shape[:dim]
+            and buffer.shape[dim + 1 :] == shape[dim + 1 :]
+            and shape[dim] <= buffer.shape[dim]
+            and buffer.dtype == dtype
+            and buffer.device == device
+        )
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is the buffer's prefix view (what `grown` gave), not a tensor that a batch operation, a
+        crop of another buffer or a device move put in its place."""
+        buffer, dim = self.buffer, self.dim
+        return (
+            tensor.data_ptr() == buffer.data_ptr()
+            and tensor.stride() == buffer.stride()
+            and tensor.shape[:dim] == buffer.shape[:dim]
+            and tensor.shape[dim + 1 :] == buffer.shape[dim + 1 :]
+        )
+
+    def shares_memory(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
+
+
+def grown(
+    tensor: torch.Tensor | None,
+    room: Room | None,
+    shape: tuple[int, ...],
+    dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    fill: int = 0,
+) -> tuple[torch.Tensor, Room]:
+    """`tensor` (None or empty: nothing yet) followed by new slots holding `fill`, `shape` in all, as a view of a buffer
+    with room for more. The buffer is `room` when `tensor` is its prefix view, or
+    when a batch operation put a tensor of the same shape in its place that shares no memory with it (whose values
+    are copied in); a new one twice as long otherwise. Returns (the view, its room)."""
+    old = 0 if tensor is None or tensor.numel() == 0 else tensor.shape[dim]
+    fits = room is not None and room.fits(shape, dtype, device)
+    if not (fits and old and room.holds(tensor)):  # the common step passes: nothing moves
+        if not fits or (old and room.shares_memory(tensor)):
+            capacity = (*shape[:dim], max(2 * shape[dim], 16), *shape[dim + 1 :])
+            room = Room(torch.zeros(capacity, dtype=dtype, device=device), dim)
+        if old:
+            room.buffer.narrow(dim, 0, old).copy_(tensor)
+    length = shape[dim] - old
+    if fill:
+        room.buffer.narrow(dim, old, length).fill_(fill)
+    elif old < room.used:  # slots a crop gave back: zeros again, as fresh ones are
+        room.buffer.narrow(dim, old, min(shape[dim], room.used) - old).zero_()
+    room.used = max(room.used, shape[dim])
+    return room.buffer.narrow(dim, 0, shape[dim]), room
 
 
 @dataclass
@@ -77,6 +146,8 @@ class EarlyExitCache(DynamicCache):
         # [batch]: the rows `generate`'s loop has fed an end token, which it has finished (`rows_ended`).
         self.ended: torch.Tensor | None = None
         self._derived: dict[str, Any] = {}
+        # Per cache tensor (keys and values of each layer, `frontier`, `pending`), the buffer it is a view of.
+        self._rooms: dict[object, Room] = {}
 
     def derived(self, name: str, make: Callable[[], Any], fits: Callable[[Any], bool] | None = None) -> Any:
         """What the model derives from its weights for this cache's decoding (`make()`), made on first use and again
@@ -100,14 +171,23 @@ class EarlyExitCache(DynamicCache):
         """Append one empty slot per new token (hidden_states [batch, q, d]) to every layer; returns their slice."""
         batch, length, width = hidden_states.shape
         start = self.get_seq_length()
-        empty = hidden_states.new_zeros(batch, num_heads, length, width // num_heads)
-        for layer_idx in range(self.num_layers):
-            self.layers[layer_idx].update(empty, empty)
+        dtype, device = hidden_states.dtype, hidden_states.device
+        shape = (batch, num_heads, start + length, width // num_heads)
+        for layer_idx, layer in enumerate(self.layers):
+            if not layer.is_initialized:
+                layer.lazy_initialization(hidden_states, hidden_states)
+            for name in ("keys", "values"):
+                key = (name, layer_idx)
+                tensor, self._rooms[key] = grown(getattr(layer, name), self._rooms.get(key), shape, 2, dtype, device)
+                setattr(layer, name, tensor)
         if self.kv_strategy == "recompute":
-            complete = torch.full((batch, length), self.num_layers, dtype=torch.long, device=hidden_states.device)
-            waiting = hidden_states.new_zeros(batch, length, width)
-            self.frontier = complete if self.frontier is None else torch.cat([self.frontier, complete], dim=1)
-            self.pending = waiting if self.pending is None else torch.cat([self.pending, waiting], dim=1)
+            slots = (batch, start + length)
+            self.frontier, self._rooms["frontier"] = grown(
+                self.frontier, self._rooms.get("frontier"), slots, 1, torch.long, device, fill=self.num_layers
+            )
+            self.pending, self._rooms["pending"] = grown(
+                self.pending, self._rooms.get("pending"), (*slots, width), 1, dtype, device
+            )
         return slice(start, start + length)
 
     def write(
@@ -275,6 +355,7 @@ class EarlyExitCache(DynamicCache):
         self.frontier = self.pending = self.ended = None
         self.waiting_layers = set()
         self.skipped = []
+        self._rooms = {}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

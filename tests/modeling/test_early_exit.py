@@ -188,6 +188,57 @@ def test_cropping_the_cache_forgets_the_skipped_slots_it_removes(model):
     assert ours.layers[DEPTH - 1].keys.shape[2] == 4 and bool(ours.layers[DEPTH - 1].keys.abs().sum(-1).all())
 
 
+def test_the_cache_grows_in_place_and_holds_what_a_dynamic_cache_would_through_batch_operations(model):
+    """A step's slots are views of a buffer with room (no copy of the whole cache per layer and step), and what the
+    cache holds after crops, beam reorderings and row selections is what concatenation would hold."""
+    torch.manual_seed(0)
+    cache = EarlyExitCache(model.config, "recompute")
+    heads, width = model.config.decoder_attention_heads, model.config.d_model
+    expected = [[torch.zeros(3, heads, 0, width // heads)] * 2 for _ in range(DEPTH)]
+    frontier, pending = torch.zeros(3, 0, dtype=torch.long), torch.zeros(3, 0, width)
+
+    def step(batch: int, written: int) -> None:
+        nonlocal frontier, pending
+        hidden = torch.randn(batch, 1, width)
+        slots = cache.open_slots(hidden, heads)
+        frontier = torch.cat([frontier, torch.full((batch, 1), DEPTH)], dim=1)
+        pending = torch.cat([pending, torch.zeros(batch, 1, width)], dim=1)
+        for layer in range(DEPTH):
+            new = [torch.zeros(batch, heads, 1, width // heads) for _ in range(2)]
+            if layer < written:  # the layers this step ran; the others keep empty slots
+                new = [torch.randn_like(tensor) for tensor in new]
+                cache.write(layer, *new, None, slots)
+            expected[layer] = [
+                torch.cat([old, tensor], dim=2) for old, tensor in zip(expected[layer], new, strict=True)
+            ]
+        for layer in range(DEPTH):
+            assert torch.equal(cache.layers[layer].keys, expected[layer][0])
+            assert torch.equal(cache.layers[layer].values, expected[layer][1])
+        assert torch.equal(cache.frontier, frontier) and torch.equal(cache.pending, pending)
+
+    step(3, DEPTH)
+    keys = cache.layers[0].keys
+    step(3, 1)
+    assert cache.layers[0].keys.data_ptr() == keys.data_ptr()  # grown in place
+    step(3, DEPTH)
+    cache.crop(-2)  # the slots given back must come back empty, not with what they held
+    expected = [[tensor[:, :, :-2] for tensor in pair] for pair in expected]
+    frontier, pending = frontier[:, :-2], pending[:, :-2]
+    step(3, 1)
+    beams = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beams)
+    expected = [[tensor[beams] for tensor in pair] for pair in expected]
+    frontier, pending = frontier[beams], pending[beams]
+    step(3, 2)
+    rows = torch.tensor([1, 2])
+    cache.batch_select_indices(rows)
+    expected = [[tensor[rows] for tensor in pair] for pair in expected]
+    frontier, pending = frontier[rows], pending[rows]
+    step(2, DEPTH)
+    for _ in range(20):  # past the first buffer's room
+        step(2, 1)
+
+
 def test_copy_fills_skipped_layers_with_the_exit_layers_keys_and_values(model):
     settings = EarlyExitSettings(decoder=mixed_exits(), kv_strategy="copy", row_exit="compact")
     steps = []
