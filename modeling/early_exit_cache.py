@@ -143,7 +143,7 @@ class EarlyExitCache(DynamicCache):
         self.waiting_layers: set[int] = set()
         # propagate / copy: the steps whose empty slots are not filled yet, oldest first.
         self.skipped: list[SkippedSlots] = []
-        # [batch]: the rows `generate`'s loop has fed an end token, which it has finished (`rows_ended`).
+        # [batch]: the rows that `generate`'s greedy and sampling loop has ended (`end_rows`); None outside it.
         self.ended: torch.Tensor | None = None
         self._derived: dict[str, Any] = {}
         # Per cache tensor (keys and values of each layer, `frontier`, `pending`), the buffer it is a view of.
@@ -158,10 +158,10 @@ class EarlyExitCache(DynamicCache):
             self._derived[name] = make()
         return self._derived[name]
 
-    def rows_ended(self, ending: torch.Tensor) -> torch.Tensor:
-        """[batch] bool: the rows fed an end token at this step (`ending`) or at an earlier one."""
-        self.ended = ending if self.ended is None else self.ended | ending
-        return self.ended
+    def end_rows(self, done: torch.Tensor) -> None:
+        """The rows [batch] that the loop's stopping check ended after a step, besides those it ended before: from the
+        next step on they are fed their last token, then padding, and their tokens are thrown away."""
+        self.ended = done if self.ended is None else self.ended | done
 
     @property
     def is_compileable(self) -> bool:

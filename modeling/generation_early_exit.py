@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, PreTrainedConfig
+from transformers import (
+    GenerationConfig,
+    GenerationMixin,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    PreTrainedConfig,
+    StoppingCriteriaList,
+)
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.generation.utils import GenerateBeamEncoderDecoderOutput, GenerateEncoderDecoderOutput
 from transformers.utils import ModelOutput
@@ -65,8 +72,6 @@ class EarlyExitSettings:
     batch_stop_fraction: float = 1.0
     exit_mode: ExitMode = "exit"
     draft_max_batch_size: int | None = None
-    # The tokens that end a row in this `generate` call (its `eos_token_id`): a row fed one has just finished.
-    end_token_ids: torch.Tensor | None = None
 
     @classmethod
     def from_knobs(
@@ -265,12 +270,41 @@ class ExitLayerLog:
 
     decoder_steps: per decoding step, its output's `exit_layers` [rows]. encoder: the encoder output's
     `exit_layers` [batch, 2] when `generate` ran the encoder (None when `encoder_outputs` were passed in).
-    end_token_ids: the call's end tokens, from greedy and sampling's loop (tokens after a row's end are padding).
+    stops: per step of greedy and sampling's loop, the rows its stopping criteria ended [rows] (tokens after are
+    padding).
     """
 
     decoder_steps: list[torch.Tensor] = field(default_factory=list)
     encoder: torch.Tensor | None = None
-    end_token_ids: torch.Tensor | None = None
+    stops: list[torch.Tensor] = field(default_factory=list)
+
+
+def pads_ended_rows(criteria: StoppingCriteriaList) -> bool:
+    """Whether greedy and sampling's loop pads a row its stopping criteria ended: only with an end-token criterion.
+    Without one it feeds the row its own tokens until every row has ended, and keeps them."""
+    return any(hasattr(criterion, "eos_token_id") for criterion in criteria)
+
+
+class RecordedStops(StoppingCriteriaList):
+    """A call's stopping criteria that record the rows each step ends, whichever criterion ends them (an end token,
+    a stop string, a user's), where the loop pads them from then on: in the `log`, and in the `cache`, whose decoder
+    then stops a row fed its last token at the first exit (its token is thrown away) instead of holding the batch in
+    deeper layers."""
+
+    def __init__(self, criteria: StoppingCriteriaList, log: ExitLayerLog | None, cache: EarlyExitCache | None):
+        super().__init__(criteria)
+        self.recording = pads_ended_rows(criteria)
+        self.log, self.cache = log, cache
+        if cache is not None:
+            cache.ended = None  # a cache passed in from an earlier call starts with no row ended
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        done = super().__call__(input_ids, scores, **kwargs)
+        if self.recording and self.log is not None:
+            self.log.stops.append(done)
+        if self.recording and self.cache is not None:
+            self.cache.end_rows(done)
+        return done
 
 
 def new_cache(config: PreTrainedConfig, settings: EarlyExitSettings | None) -> EncoderDecoderCache:
@@ -362,19 +396,19 @@ class EarlyExitGenerationMixin(GenerationMixin):
             if isinstance(output, GenerateBeamEncoderDecoderOutput)
             else EarlyExitGenerateOutput
         )
-        exit_layers = generated_exit_layers(log.decoder_steps, output, log.end_token_ids)
+        exit_layers = generated_exit_layers(log.decoder_steps, output, log.stops)
         return output_class(**output, exit_layers=exit_layers, encoder_exit_layers=encoder_exit_layers)
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):  # fmt: skip
         settings = model_kwargs.get("exit_settings")
-        log = model_kwargs.get("exit_layer_log")
-        if log is not None:
-            log.end_token_ids = generation_config._eos_token_tensor
         if settings is None or settings.exit_mode != "speculative":
-            if settings is not None and settings.decoder is not None:
-                end_tokens = generation_config._eos_token_tensor
-                model_kwargs["exit_settings"] = dataclasses.replace(settings, end_token_ids=end_tokens)
+            cache = getattr(model_kwargs.get("past_key_values"), "self_attention_cache", None)
+            stopping_criteria = RecordedStops(
+                stopping_criteria,
+                model_kwargs.get("exit_layer_log"),
+                cache if isinstance(cache, EarlyExitCache) else None,
+            )
             return super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
             )
@@ -388,6 +422,13 @@ class EarlyExitGenerationMixin(GenerationMixin):
                 return output
             none = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
             return EarlyExitGenerateOutput(**output, drafted_tokens=none, accepted_tokens=none, speculative_rounds=none)
+        ending_rows = [type(c).__name__ for c in stopping_criteria if not isinstance(c, ENDING_EVERY_ROW)]
+        if ending_rows and not pads_ended_rows(stopping_criteria):
+            raise ValueError(
+                f'`exit_mode="speculative"` with {ending_rows} needs an end token (`eos_token_id`): without one, '
+                "Transformers keeps decoding a row such a criterion ended until every row has ended, which rows that "
+                "advance on their own cannot follow."
+            )
         result = speculative_generate(
             self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
         )
@@ -449,6 +490,7 @@ class EarlyExitGenerationMixin(GenerationMixin):
 
 
 ROW_EXPANSIONS = ("num_beams", "num_return_sequences")
+ENDING_EVERY_ROW = (MaxLengthCriteria, MaxTimeCriteria)  # stopping criteria that end every row at once
 DRAFT_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
 
@@ -500,9 +542,16 @@ ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit
 
 
 def check_decoding(settings: EarlyExitSettings, generation_config: GenerationConfig, kwargs: dict[str, Any]) -> None:
-    """Decoding methods that exits would silently change, refused with a ValueError that names the knob: assisted
+    """Decoding methods that exits would silently change, or that OFA cannot run (classifier-free guidance), refused
+    with a ValueError that names the knob: assisted
     decoding verifies several tokens in one pass under one exit decision per row, so lossy exits change its output;
     speculative mode is its own assisted decoding, greedy or sampling."""
+    guidance = kwargs.get("guidance_scale", generation_config.guidance_scale)
+    if guidance is not None and guidance != 1:
+        raise ValueError(
+            f"`guidance_scale={guidance!r}`: classifier-free guidance runs the model without its decoder inputs, "
+            "which OFA, an encoder-decoder, cannot do. Drop `guidance_scale`."
+        )
     assisted = sorted(name for name in ASSISTED if kwargs.get(name, getattr(generation_config, name, None)))
     speculative = settings.exit_mode == "speculative"
     if assisted and speculative:
@@ -538,19 +587,19 @@ def check_draft_length(draft_tokens: Any, schedule: Any) -> None:
 
 
 def generated_exit_layers(
-    decoder_steps: list[torch.Tensor], output: GenerateEncoderDecoderOutput, end_token_ids: torch.Tensor | None = None
+    decoder_steps: list[torch.Tensor], output: GenerateEncoderDecoderOutput, stops: list[torch.Tensor] | None = None
 ) -> torch.LongTensor:
     """Decoder layers per returned token, [rows, new_tokens], 0 past a row's end: each step's layers, followed
     through the beams that produced each token (`beam_indices`) in beam search; in greedy and sampling's loop, which
-    pads a row after its end token (one of `end_token_ids`), 0 after that token."""
+    pads a row after the step whose stopping check ended it (`stops`, per step [rows]), 0 after that step."""
     steps = torch.stack(decoder_steps, dim=0)  # [steps, running rows]: one decoder forward per new token
     beam_indices = getattr(output, "beam_indices", None)
     if beam_indices is None:
         layers = steps.T.contiguous()
-        if end_token_ids is None:
+        if not stops:
             return layers
-        ends = torch.isin(output.sequences[:, -layers.shape[1] :], end_token_ids.to(layers.device)).long()
-        return layers.masked_fill(ends.cumsum(dim=1) - ends > 0, 0)  # an end token before this one
+        ended = torch.stack(stops[: layers.shape[1]], dim=1).to(layers.device).long()  # [rows, steps]
+        return layers.masked_fill(ended.cumsum(dim=1) - ended > 0, 0)  # ended at an earlier step
     beam_indices = beam_indices.long()
     taken = steps.gather(1, beam_indices.clamp(min=0).T.to(steps.device)).T
     return taken.masked_fill(beam_indices.to(steps.device) < 0, 0)

@@ -1487,26 +1487,20 @@ class OFADecoder(nn.Module):
         return stop | (finished if exits.active is None else finished[exits.running]), state
 
     def finished_rows(
-        self,
-        input_ids: torch.LongTensor | None,
-        exit_settings: EarlyExitSettings,
-        self_cache: EarlyExitCache | None,
-        past: int,
+        self, input_ids: torch.LongTensor | None, exit_settings: EarlyExitSettings, self_cache: EarlyExitCache | None
     ) -> torch.BoolTensor | None:
         """The rows of a decoding step whose tokens are thrown away: they stop at the first exit and never hold their
-        batch in deeper layers. In `generate`'s greedy and sampling loop (`EarlyExitSettings.end_token_ids`), the rows
-        fed a generated end token at this step or an earlier one (the pad token they are fed after it alone says
-        nothing: a running row may emit it; nor does the prompt, whose start token may be an end token, as in BART);
-        in a speculative round, the rows fed the pad token (those that do not draft). None otherwise, and outside
-        one-token steps."""
+        batch in deeper layers. In `generate`'s greedy and sampling loop, the rows its stopping criteria ended at an
+        earlier step (the cache's `ended`: by an end token, a stop string or a user's criterion; the tokens they are
+        fed alone say nothing, since a running row may emit the pad token, and a prompt's start token may be an end
+        token, as in BART); in a speculative round, the rows fed the pad token (those that do not draft). None
+        otherwise, and outside one-token steps."""
         if input_ids is None or input_ids.shape[1] != 1:
             return None
         if exit_settings.exit_mode == "speculative":
             pad = self.config.pad_token_id
             return None if pad is None else input_ids[:, 0] == pad
-        if exit_settings.end_token_ids is None or self_cache is None or past == 0:
-            return None
-        return self_cache.rows_ended(torch.isin(input_ids[:, 0], exit_settings.end_token_ids.to(input_ids.device)))
+        return None if self_cache is None else self_cache.ended
 
     def fill_skipped_layers_later(
         self, self_cache: EarlyExitCache, exits: RowExits, slots: slice | None, exit_outputs: torch.Tensor
@@ -1565,7 +1559,7 @@ class OFADecoder(nn.Module):
 
         layers = layers_to_run(len(self.layers), self.config.decoder_layerdrop, self.training)
         batch, device = tokens.shape[0], tokens.device
-        finished = self.finished_rows(input_ids, exit_settings, self_cache, past) if controller is not None else None
+        finished = self.finished_rows(input_ids, exit_settings, self_cache) if controller is not None else None
         if controller is None:
             exits = RowExits(batch, len(layers), device)
         else:

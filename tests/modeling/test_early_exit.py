@@ -3,7 +3,7 @@
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from hf_earlyexit.modeling.early_exit_cache import KV_STRATEGIES, EarlyExitCache
 from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, ExitController, FixedLayerExit, PatienceExit
@@ -501,28 +501,35 @@ def test_auto_follows_the_measured_layer_costs(model):
     assert calls == [[4] * depth for depth in out.exit_layers.max(dim=0).values.tolist()]
 
 
-def test_rows_fed_their_end_token_stop_at_the_first_exit_from_then_on(model):
-    """`generate` feeds a finished row its end token, then the pad token, and drops its tokens: from the end token on
-    it must not keep its batch running. A speculative round feeds the pad token to the rows that do not draft."""
+def test_rows_the_loop_ended_stop_at_the_first_exit_from_then_on(model):
+    """`generate` feeds a row its stopping criteria ended its last token, then the pad token, and drops its tokens:
+    from then on it must not keep its batch running. A speculative round feeds the pad token to the rows that do not
+    draft."""
     inputs = batch_of(4)
     pad = model.config.pad_token_id
     with torch.no_grad():
         encoder_outputs = model.get_encoder()(**inputs)
         for row_exit in ("keep", "compact"):
-            settings = EarlyExitSettings(
-                decoder=NeverExit(), row_exit=row_exit, min_exit_layer=2, end_token_ids=torch.tensor([7])
-            )
+            settings = EarlyExitSettings(decoder=NeverExit(), row_exit=row_exit, min_exit_layer=2)
             cache = new_cache(model.config, settings)
-            layers = [
-                model.decoder(torch.tensor(step)[:, None], encoder_outputs, past_key_values=cache,
-                              exit_settings=settings).exit_layers.tolist()
-                for step in ([7, 7, 7, 7], [5, pad, 7, 9], [6, 8, pad, 7], [pad, 8, pad, pad])
-            ]  # fmt: skip
-            # The first step feeds the start token (here an end token, as in BART): nothing generated, none finished.
+            layers = []
+            # Fed tokens, and the rows the loop's stopping check ended after the step (row 2, then row 3).
+            for step, ended in (
+                ([7, 7, 7, 7], 2),
+                ([5, pad, 7, 9], 3),
+                ([6, 8, pad, 7], None),
+                ([pad, 8, pad, pad], None),
+            ):
+                out = model.decoder(torch.tensor(step)[:, None], encoder_outputs, past_key_values=cache,
+                                    exit_settings=settings)  # fmt: skip
+                layers.append(out.exit_layers.tolist())
+                if ended is not None:
+                    cache.self_attention_cache.end_rows(torch.arange(4) == ended)
+            # A row fed the pad token or an end token that no stopping check ended it runs on.
             assert layers == [[DEPTH] * 4, [DEPTH, DEPTH, 2, DEPTH], [DEPTH, DEPTH, 2, 2], [DEPTH, DEPTH, 2, 2]], (
                 row_exit
             )
-        # Without a call's end tokens (beam search, a plain forward) no row is finished.
+        # Outside greedy and sampling's loop (beam search, a plain forward) no row is finished.
         tokens = torch.tensor([[5], [pad], [7], [9]])
         out = model.decoder(tokens, encoder_outputs, exit_settings=EarlyExitSettings(decoder=NeverExit()))
         assert out.exit_layers.tolist() == [DEPTH] * 4
@@ -576,7 +583,7 @@ def test_finished_rows_do_not_count_toward_the_batch_stop_fraction(model):
 
 
 def test_a_row_that_just_emitted_its_end_token_keeps_its_tokens_and_reports_no_layers_past_it(model):
-    """Its later steps stop at the first exit (`test_rows_fed_their_end_token_stop_at_the_first_exit_from_then_on`);
+    """Its later steps stop at the first exit (`test_rows_the_loop_ended_stop_at_the_first_exit_from_then_on`);
     `generate` reports 0 layers for them, as for any token past a row's end."""
     inputs = batch_of(4)
     full = generate(model, inputs, "greedy", **NO_EXIT)
@@ -589,6 +596,49 @@ def test_a_row_that_just_emitted_its_end_token_keeps_its_tokens_and_reports_no_l
         first_end = ended[row].nonzero()[0].item() if bool(ended[row].any()) else None
         if first_end is not None and first_end + 1 < len(layers):
             assert layers[: first_end + 1] == [DEPTH] * (first_end + 1) and set(layers[first_end + 1 :]) == {0}, row
+
+
+class EndsRowZero(StoppingCriteria):
+    """A user's criterion: row 0 ends after 3 new tokens."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (torch.arange(input_ids.shape[0]) == 0) & (input_ids.shape[1] >= 4)
+
+
+@pytest.mark.parametrize("mode", ["full", "exits", "speculative"])
+def test_a_row_a_users_stopping_criterion_ends_reports_no_layers_past_it_and_stops_holding_the_batch(model, mode):
+    knobs = {
+        "full": NO_EXIT,
+        "exits": dict(exit_controller=NeverExit(), min_exit_layer=2, row_exit="compact"),
+        "speculative": dict(exit_controller=FixedLayerExit(1), exit_mode="speculative"),
+    }[mode]
+    rows_in_last_layer = []
+    hook = model.decoder.layers[-1].register_forward_pre_hook(
+        lambda module, args: rows_in_last_layer.append(args[0].shape[0])
+    )
+    try:
+        criteria = StoppingCriteriaList([EndsRowZero()])
+        out = generate(model, batch_of(4), "greedy", stopping_criteria=criteria, **knobs)
+    finally:
+        hook.remove()
+    full = generate(model, batch_of(4), "greedy", stopping_criteria=criteria, **NO_EXIT)
+    assert torch.equal(out.sequences, full.sequences)
+    assert bool((out.exit_layers[0, :3] > 0).all()) and set(out.exit_layers[0, 3:].tolist()) == {0}
+    assert bool((out.exit_layers[1:] > 0).all())
+    if mode == "exits":  # from the step after its end on, row 0 stops at the first exit
+        assert rows_in_last_layer == [4] * 3 + [3] * (NEW_TOKENS - 3)
+
+
+def test_without_an_end_token_a_row_a_criterion_ended_decodes_on_as_in_the_full_model(model):
+    """Transformers pads ended rows only when the call has an end token; without one it keeps their tokens."""
+    criteria = StoppingCriteriaList([EndsRowZero()])
+    full = generate(model, batch_of(4), "greedy", stopping_criteria=criteria, eos_token_id=None, **NO_EXIT)
+    exits = dict(exit_controller=NeverExit(), min_exit_layer=2, row_exit="compact")
+    out = generate(model, batch_of(4), "greedy", stopping_criteria=criteria, eos_token_id=None, **exits)
+    assert torch.equal(out.sequences, full.sequences) and bool((out.exit_layers == DEPTH).all())
+    speculative = dict(exit_controller=FixedLayerExit(1), exit_mode="speculative")
+    with pytest.raises(ValueError, match="eos_token_id"):
+        generate(model, batch_of(4), "greedy", stopping_criteria=criteria, eos_token_id=None, **speculative)
 
 
 def test_min_exit_layer_holds_back_exits(model):
@@ -1112,3 +1162,12 @@ def test_generate_refuses_decoder_inputs_embeds_with_a_message_that_says_what_to
     embeds = model.get_input_embeddings()(torch.tensor([[0]]))
     with pytest.raises(ValueError, match="decoder_input_ids"):
         model.generate(**batch_of(1), decoder_inputs_embeds=embeds, max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "knobs", [NO_EXIT, dict(exit_threshold=0.5), dict(exit_threshold=0.5, exit_mode="speculative")], ids=str
+)
+def test_generate_refuses_classifier_free_guidance_by_name(model, knobs):
+    with pytest.raises(ValueError, match="guidance_scale"):
+        model.generate(**batch_of(1), guidance_scale=1.5, max_new_tokens=2, **knobs)
+    model.generate(**batch_of(1), guidance_scale=1.0, max_new_tokens=2, **knobs)  # 1: no guidance
