@@ -57,6 +57,9 @@ EXIT_HEAD_MODULES = ("exit_adapters", "exit_transformer_layers")
 DISCRIMINATORS_NAME = "discriminators.pt"
 
 
+HEAD_LOSSES = ("deep_supervision", "adversarial")  # the losses that train exit heads (DEED's adapters, BLIPEE's layers)
+
+
 class EarlyExitTrainer(Seq2SeqTrainer):
     """A `Seq2SeqTrainer` whose loss is `args.exit_loss` (see the module docstring for the math).
 
@@ -82,9 +85,22 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         self.num_layers = config.decoder_layers
         self.loss_weights = self.resolve_loss_weights()
         self.check_exit_heads(config)
+        if args.freeze_backbone and hasattr(self.model, "peft_config"):
+            raise ValueError(
+                "`freeze_backbone` on a PEFT model would freeze its adapters too, and PEFT saves only its own "
+                "modules, so the trained exit heads would be lost: freeze with PEFT instead and list the exit heads "
+                "in `modules_to_save`."
+            )
         if args.freeze_backbone:
             for name, parameter in self.model.named_parameters():
                 parameter.requires_grad_(in_exit_head(name))
+        heads = [parameter for name, parameter in self.model.named_parameters() if in_exit_head(name)]
+        if args.exit_loss in HEAD_LOSSES and not any(parameter.requires_grad for parameter in heads):
+            names = [f"{module}.{index}" for module in EXIT_HEAD_MODULES for index in range(len(self.exit_points))]
+            raise ValueError(
+                f"exit_loss={args.exit_loss!r} trains the exit heads, but every one of them is frozen (a PEFT model "
+                f"freezes all but its adapters): list them in PEFT's `modules_to_save` (those of {names} it has)."
+            )
         self.discriminators = self.discriminator_optimizer = None
         if args.exit_loss == "adversarial":
             self.discriminators = ExitDiscriminators(
@@ -222,12 +238,15 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         ignore_keys: list[str] | None = None,
         **gen_kwargs,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Seq2SeqTrainer's, with the loss training minimises (`compute_loss`) as `eval_loss` also when it generates:
-        its generating step takes the final layer's cross-entropy alone, which made `eval_loss` change meaning."""
+        """Seq2SeqTrainer's, with the loss training minimises (`compute_loss`) as `eval_loss` also when it generates
+        (its generating step takes the final layer's cross-entropy alone, which made `eval_loss` change meaning) and
+        when a label-free loss has no labels (the Trainer computes a loss only from labels)."""
         loss, generated, labels = super().prediction_step(
             model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs
         )
-        if self.args.predict_with_generate and not prediction_loss_only and loss is not None:
+        generated_instead = self.args.predict_with_generate and not prediction_loss_only and loss is not None
+        label_free = loss is None and inputs.get("labels") is None and self.args.exit_loss in LABEL_FREE_LOSSES
+        if generated_instead or label_free:
             with torch.no_grad(), self.compute_loss_context_manager():
                 loss = self.compute_loss(model, self._prepare_inputs(inputs)).detach().mean()
         return loss, generated, labels
@@ -279,11 +298,12 @@ class EarlyExitTrainer(Seq2SeqTrainer):
     def normalise(
         self, loss: torch.Tensor, training: bool, num_items_in_batch: torch.Tensor | int | None, tokens: torch.Tensor
     ) -> torch.Tensor:
-        """The token sum `loss` divided by the target tokens of every process's accumulated batch when the Trainer
-        counted them (`num_items_in_batch`), else (evaluation) by this batch's `tokens`."""
-        if num_items_in_batch is not None:
+        """The token sum `loss` divided, in training, by the target tokens of every process's accumulated batch when
+        the Trainer counted them (`num_items_in_batch`), else by this batch's `tokens`: evaluation averages each
+        process's per-token losses itself, so a count summed over processes would shrink them."""
+        if training and num_items_in_batch is not None:
             # DDP averages the gradients over processes, which the global count already accounted for.
-            scale = self.accelerator.num_processes if training and self.args.average_tokens_across_devices else 1
+            scale = self.accelerator.num_processes if self.args.average_tokens_across_devices else 1
             return loss / num_items_in_batch * scale
         return loss / tokens
 
@@ -330,7 +350,9 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         path = os.path.join(checkpoint, DISCRIMINATORS_NAME)
         if not os.path.isfile(path):
             raise ValueError(f"{checkpoint} has no {DISCRIMINATORS_NAME}: it was not saved by adversarial training.")
-        state = torch.load(path, map_location=self.args.device, weights_only=True)
+        # On the host, as the Trainer loads its own state: `args.device` (e.g. "cpu:0" in a process group) is not a
+        # location torch can restore to. Loading the states moves them to the discriminators' device.
+        state = torch.load(path, map_location="cpu", weights_only=True)
         self.accelerator.unwrap_model(self.discriminators).load_state_dict(state["discriminators"])
         self.discriminator_optimizer.load_state_dict(state["optimizer"])
 

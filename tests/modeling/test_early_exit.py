@@ -1165,7 +1165,9 @@ def test_generate_refuses_decoder_inputs_embeds_with_a_message_that_says_what_to
 
 
 @pytest.mark.parametrize(
-    "knobs", [NO_EXIT, dict(exit_threshold=0.5), dict(exit_threshold=0.5, exit_mode="speculative")], ids=str
+    "knobs",
+    [NO_EXIT, dict(exit_threshold=0.5), dict(exit_threshold=0.5, exit_mode="speculative")],
+    ids=["full", "exits", "speculative"],
 )
 def test_generate_refuses_classifier_free_guidance_by_name(model, knobs):
     with pytest.raises(ValueError, match="guidance_scale"):

@@ -293,6 +293,70 @@ def test_lora_model_trains_its_adapters_only(tmp_path):
     assert "loss_exit_1" in trainer.state.log_history[0]
 
 
+def test_a_peft_model_trains_exit_heads_listed_in_modules_to_save_and_refuses_them_frozen(tmp_path):
+    """PEFT freezes all but its adapters and saves only its own modules: heads outside `modules_to_save` would stay
+    untrained (deep supervision) or be lost at saving (`freeze_backbone`), so both are refused."""
+    peft = pytest.importorskip("peft")
+
+    def lora(**extra):
+        lora_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **extra)
+        return peft.get_peft_model(tiny_model(decoder_layers=DEPTH, exit_adapter_dim=8), lora_config)
+
+    heads = [f"exit_adapters.{index}" for index in range(DEPTH - 1)]
+    with pytest.raises(ValueError, match="modules_to_save"):
+        trainer_for(tmp_path, lora(), exit_loss="deep_supervision")
+    with pytest.raises(ValueError, match="modules_to_save"):
+        trainer_for(tmp_path, lora(modules_to_save=heads), exit_loss="deep_supervision", freeze_backbone=True)
+    model = lora(modules_to_save=heads)
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if "exit_adapters" in name}
+    trainer_for(tmp_path, model, exit_loss="deep_supervision", max_steps=1).train()
+    trained = [name for name, p in model.named_parameters() if name in before and not torch.equal(p, before[name])]
+    assert trained and all("modules_to_save" in name for name in trained)
+
+
+# --- evaluation ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exit_loss", ["distill", "adversarial"])
+def test_label_free_losses_report_the_loss_they_train_as_eval_loss(tmp_path, exit_loss):
+    model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2] if exit_loss == "adversarial" else None)
+    dataset = TinyCaptions(labels=False)
+    trainer = trainer_for(tmp_path, model, dataset=dataset, exit_loss=exit_loss, per_device_eval_batch_size=8)
+    metrics = trainer.evaluate(eval_dataset=dataset)
+    with torch.no_grad():
+        expected = float(trainer.compute_loss(model.eval(), batch_of(dataset, size=8)))
+    assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_an_evaluation_loss_is_this_batchs_per_token_mean_whatever_count_the_trainer_passes(tmp_path):
+    """The Trainer passes evaluation a count summed over every process, then averages the processes' losses."""
+    trainer = trainer_for(tmp_path)
+    batch = batch_of(TinyCaptions())
+    with torch.no_grad():
+        own = float(trainer.compute_loss(trainer.model.eval(), batch))
+        counted = float(trainer.compute_loss(trainer.model, batch, num_items_in_batch=torch.tensor(1000)))
+    assert counted == pytest.approx(own)
+
+
+def test_resuming_on_a_numbered_host_device_restores_the_discriminators(tmp_path, monkeypatch):
+    """A process group on CPUs gives `args.device` "cpu:0", which `torch.load` cannot restore to."""
+
+    def adversarial_trainer(max_steps: int) -> EarlyExitTrainer:
+        model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2])
+        return trainer_for(
+            tmp_path, model, exit_loss="adversarial", max_steps=max_steps, save_strategy="steps", save_steps=2
+        )
+
+    adversarial_trainer(2).train()
+    resumed = adversarial_trainer(3)
+    monkeypatch.setattr(EarlyExitTrainingArguments, "device", property(lambda self: torch.device("cpu", 0)))
+    resumed.create_optimizer_and_scheduler(num_training_steps=3)
+    resumed._load_optimizer_and_scheduler(str(tmp_path / "out" / "checkpoint-2"))
+    saved = torch.load(tmp_path / "out" / "checkpoint-2" / DISCRIMINATORS_NAME, weights_only=True)
+    for name, value in resumed.discriminators.state_dict().items():
+        assert torch.equal(value, saved["discriminators"][name]), name
+
+
 # --- bad arguments ------------------------------------------------------------------------------------------------
 
 
