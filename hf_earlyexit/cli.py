@@ -398,7 +398,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         default="easy-vqa",
         help="'easy-vqa', a save_to_disk folder, 'loader:folder' (imagefolder, parquet, ...) or a data set name",
     )
-    parser.add_argument("--split", default="train")
+    parser.add_argument("--split", help="the split to train on (default train; none for a folder of one data set)")
     parser.add_argument("--image-column", default="image")
     parser.add_argument("--text-column", default="question", help="prompt column ('' = use --prompt for all rows)")
     parser.add_argument("--target-column", default="answer")
@@ -425,7 +425,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from .training import fine_tune
 
     config_fields = {}
-    if args.exit_adapter_dim:
+    if args.exit_adapter_dim is not None:
         config_fields["exit_adapter_dim"] = args.exit_adapter_dim
     if args.exit_transformer_layers:
         config_fields["exit_transformer_layers"] = parse_layers(args.exit_transformer_layers)
@@ -464,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--exit-loss", default="layerwise", help="layerwise (default), deep_supervision, distill, adversarial or none"
     )
-    train.add_argument("--exit-adapter-dim", type=int, help="add DEED adaptation modules of this width")
+    train.add_argument("--exit-adapter-dim", type=positive_int, help="add DEED adaptation modules of this width")
     train.add_argument("--exit-transformer-layers", help="add BLIPEE exit layers after these decoder layers: 1,2,3")
     train.add_argument("--freeze-backbone", action="store_true", help="train the exit heads only")
     train.set_defaults(run=cmd_train)

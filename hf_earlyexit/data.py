@@ -99,26 +99,39 @@ def easy_vqa_entailment(split: str = "train", seed: int = 0) -> datasets.Dataset
     return datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image())
 
 
-def load_image_text_dataset(source: str, split: str = "train", columns: Iterable[str] = ()) -> datasets.Dataset:
+def load_image_text_dataset(source: str, split: str | None = None, columns: Iterable[str] = ()) -> datasets.Dataset:
     """A split of a data set: a folder written by `save_to_disk`, a loader with a local folder (`"imagefolder"`,
-    `"parquet"`, ...: give `source` as `loader:path`) or a name `datasets.load_dataset` resolves. Raises ValueError
-    when a column in `columns` is missing."""
+    `"parquet"`, ...: give `source` as `loader:path`) or a name `datasets.load_dataset` resolves. `split` defaults to
+    "train"; a folder holding one data set is that data set, so a split it is not is refused. Raises ValueError when
+    the split is not there, has no rows, or lacks a column in `columns`."""
     path = Path(source)
     if path.is_dir() and any((path / name).exists() for name in ("dataset_dict.json", "state.json")):
-        loaded = datasets.load_from_disk(str(path))
+        loaded = load_from_disk(path)
         if isinstance(loaded, datasets.DatasetDict):
-            if split not in loaded:
-                raise ValueError(f"{source} has splits {list(loaded)}, not {split!r}.")
-            loaded = loaded[split]
+            if (split or "train") not in loaded:
+                raise ValueError(f"{source} has splits {list(loaded)}, not {split or 'train'!r}.")
+            loaded = loaded[split or "train"]
+        elif split is not None and split != loaded.split:
+            raise ValueError(f"{source} holds one data set, not a split {split!r} of one: drop the split.")
     elif ":" in source and Path(source.split(":", 1)[1]).exists():
         loader, data_dir = source.split(":", 1)
-        loaded = datasets.load_dataset(loader, data_dir=data_dir, split=split)
+        loaded = datasets.load_dataset(loader, data_dir=data_dir, split=split or "train")
     else:
-        loaded = datasets.load_dataset(source, split=split)
+        loaded = datasets.load_dataset(source, split=split or "train")
+    if len(loaded) == 0:
+        raise ValueError(f"{source} has no rows.")
     missing = [column for column in columns if column and column not in loaded.column_names]
     if missing:
         raise ValueError(f"{source} has no column(s) {missing}; its columns are {loaded.column_names}.")
     return loaded
+
+
+def load_from_disk(path: Path) -> datasets.Dataset | datasets.DatasetDict:
+    """`datasets.load_from_disk`, whose IndexError on a data set of no rows becomes a ValueError that says so."""
+    try:
+        return datasets.load_from_disk(str(path))
+    except IndexError:
+        raise ValueError(f"{path} has no rows.") from None
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 600) -> PreTrainedTokenizerBase:

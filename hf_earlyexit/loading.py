@@ -32,7 +32,10 @@ def load_model_and_processor(model_dir: str | Path, **config_fields: Any) -> tup
 
     logging.disable_progress_bar()  # the weight-loading bar would break the CLI's one-line errors
     path = Path(model_dir)
-    check_model_dir(path)
+    saved = check_model_dir(path)
+    for name, value in config_fields.items():  # heads of another shape than the saved ones cannot load their weights
+        if saved.get(name) is not None and saved[name] != value:
+            raise ValueError(f"{path} has {name}={saved[name]!r}; it cannot load as {name}={value!r}.")
     model = AutoModel.from_pretrained(path, trust_remote_code=True, **config_fields).eval()
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
     return model, processor

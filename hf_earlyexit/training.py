@@ -4,6 +4,7 @@ trains exits on any image-text data set by column names, and the run behind `hf-
 
 import argparse
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -59,6 +60,8 @@ def train_exits(
     """Train `model`'s exits with `args.exit_loss` on `train_dataset` (columns by name) and return the trainer.
     `labels=False` trains without them (the label-free losses: "distill", "adversarial")."""
     columns = (image_column, target_column, text_column) if text_column else (image_column, target_column)
+    if len(train_dataset) == 0:
+        raise ValueError("The training data set has no rows.")
     missing = [column for column in columns if column not in train_dataset.column_names]  # "" included: never a column
     if missing:
         raise ValueError(f"The data set has no column(s) {missing}; its columns are {train_dataset.column_names}.")
@@ -93,8 +96,9 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     `EarlyExitTrainingArguments`), and save the model and processor to `options.output_dir`."""
     text_column = options.text_column or None
     columns = (options.image_column, text_column, options.target_column)
+    check_output_dir(Path(options.output_dir))
     if options.dataset == "easy-vqa":
-        dataset = easy_vqa(options.split)
+        dataset = easy_vqa(options.split or "train")
     else:
         dataset = load_image_text_dataset(options.dataset, options.split, columns)
     if options.model_dir:
@@ -115,6 +119,13 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     trainer = train_exits(model, processor, dataset, args, *columns, prompt=options.prompt)
     trainer.save_model()
     return trainer
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """A run saves a whole model into its output folder: one that holds files already (a model, an earlier run's
+    output) would be overwritten in part, leaving its other files to describe weights that are gone."""
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+        raise ValueError(f"{output_dir} is not an empty folder: train into a new one (nothing was overwritten).")
 
 
 __all__ = ["SMALL_OFA", "fine_tune", "small_model_and_processor", "train_exits"]

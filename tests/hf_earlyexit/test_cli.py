@@ -157,6 +157,27 @@ def test_train_saves_a_model_that_loads_with_its_exit_heads(tmp_path, capsys, ex
     assert (tmp_path / "trained" / "processor_config.json").is_file()
 
 
+def test_train_refuses_what_it_would_overwrite_or_could_not_load_in_one_line(tmp_path, capsys):
+    shapes_dataset().save_to_disk(tmp_path / "shapes")
+    shapes, trained = str(tmp_path / "shapes"), tmp_path / "trained"
+    heads = ["--exit-adapter-dim", "8", "--exit-loss", "deep_supervision"]
+    assert main([*TRAIN, shapes, "--output-dir", str(trained), *heads]) == 0
+    saved = {path.name: path.read_bytes() for path in trained.iterdir()}
+    capsys.readouterr()
+    # Into the folder of the model it starts from, or of an earlier run: its other files would describe lost weights.
+    assert main([*TRAIN, shapes, "--model-dir", str(trained), "--output-dir", str(trained), *heads]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+    assert {path.name: path.read_bytes() for path in trained.iterdir()} == saved
+    # Heads of another width than the saved ones, which cannot load their weights.
+    other = ["--output-dir", str(tmp_path / "other"), "--exit-adapter-dim", "4", "--exit-loss", "deep_supervision"]
+    assert main([*TRAIN, shapes, "--model-dir", str(trained), *other]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "exit_adapter_dim=8" in error
+    with pytest.raises(SystemExit) as exited:  # a width of 0 is no width, not "no heads"
+        main([*TRAIN, shapes, "--output-dir", str(tmp_path / "zero"), "--exit-adapter-dim", "0"])
+    assert exited.value.code == 2 and "--exit-adapter-dim" in capsys.readouterr().err
+
+
 @pytest.fixture
 def task_model_dir(tmp_path):
     """A tiny random model with MuE's decomposed encoder, a BPE trained on the tasks' text, 64 px images."""

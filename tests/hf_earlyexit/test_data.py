@@ -129,6 +129,11 @@ def test_load_image_text_dataset_names_missing_columns_and_splits(tmp_path):
     datasets.DatasetDict({"train": shapes_dataset(4)}).save_to_disk(tmp_path / "dict")
     with pytest.raises(ValueError, match="not 'test'"):
         load_image_text_dataset(str(tmp_path / "dict"), "test")
+    with pytest.raises(ValueError, match="holds one data set, not a split 'test'"):  # never silently the whole folder
+        load_image_text_dataset(str(tmp_path / "saved"), "test")
+    datasets.Dataset.from_dict({"image": [], "answer": []}).save_to_disk(tmp_path / "empty")
+    with pytest.raises(ValueError, match="has no rows"):
+        load_image_text_dataset(str(tmp_path / "empty"))
 
 
 def test_small_model_trains_on_a_data_set_by_column_names(tmp_path, processor):
