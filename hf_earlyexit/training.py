@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import torch
 
 from .data import CAPTION_PROMPT, ImageTextCollator, easy_vqa, load_image_text_dataset, train_tokenizer
 from .loading import load_model_and_processor
@@ -35,7 +36,6 @@ def small_model_and_processor(
     texts: list[str], image_size: int = 64, vocab_size: int = 600, seed: int = 0, **config_overrides
 ) -> tuple[EarlyExitOFAForConditionalGeneration, OFAProcessor]:
     """A randomly initialised small OFA-EE and its processor, with a BPE tokenizer trained on `texts`."""
-    import torch
 
     tokenizer = train_tokenizer(texts, vocab_size=vocab_size)
     config = OFAEarlyExitConfig(**{**SMALL_OFA, "vocab_size": len(tokenizer), **config_overrides})
@@ -106,6 +106,8 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     else:
         texts = [text for column in columns[1:] if column for text in dataset[column] if isinstance(text, str)]
         model, processor = small_model_and_processor(texts, **config_fields)
+    # Without an accelerator the processes of `accelerate launch` form a data-parallel group only on the CPU backend.
+    training_arguments.setdefault("use_cpu", not torch.accelerator.is_available())
     args = EarlyExitTrainingArguments(
         output_dir=options.output_dir,
         max_steps=options.max_steps,
