@@ -37,12 +37,13 @@ from .exit_knobs import KV_STRATEGIES
 
 @dataclass
 class Room:
-    """A buffer that a cache tensor is a prefix view of along `dim`, with room for more slots. Its slots from `used` on
-    are zeros: no view has shown them since it was made."""
+    """A buffer that a cache tensor is a prefix view of along `dim`, with room for more slots: `view`, the last view it
+    gave. Its slots from `used` on are zeros: no view has shown them since it was made."""
 
     buffer: torch.Tensor
     dim: int
     used: int = 0
+    view: torch.Tensor | None = None
 
     def fits(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a tensor of `shape` fits: the same dimensions but `dim`, no longer, the same dtype and device."""
@@ -56,8 +57,8 @@ class Room:
         )
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` is the buffer's prefix view (what `grown` gave), not a tensor that a batch operation, a
-        crop of another buffer or a device move put in its place."""
+        """Whether `tensor` is a prefix view of the buffer (a crop of a view it gave), not a tensor that a batch
+        operation or a device move put in its place."""
         buffer, dim = self.buffer, self.dim
         return (
             tensor.data_ptr() == buffer.data_ptr()
@@ -80,24 +81,27 @@ def grown(
     fill: int = 0,
 ) -> tuple[torch.Tensor, Room]:
     """`tensor` (None or empty: nothing yet) followed by new slots holding `fill`, `shape` in all, as a view of a buffer
-    with room for more. The buffer is `room` when `tensor` is its prefix view, or
-    when a batch operation put a tensor of the same shape in its place that shares no memory with it (whose values
-    are copied in); a new one twice as long otherwise. Returns (the view, its room)."""
-    old = 0 if tensor is None or tensor.numel() == 0 else tensor.shape[dim]
-    fits = room is not None and room.fits(shape, dtype, device)
-    if not (fits and old and room.holds(tensor)):  # the common step passes: nothing moves
-        if not fits or (old and room.shares_memory(tensor)):
-            capacity = (*shape[:dim], max(2 * shape[dim], 16), *shape[dim + 1 :])
-            room = Room(torch.zeros(capacity, dtype=dtype, device=device), dim)
-        if old:
-            room.buffer.narrow(dim, 0, old).copy_(tensor)
-    length = shape[dim] - old
+    with room for more. The buffer is `room` when `tensor` is its prefix view, or when a batch operation put a tensor
+    of the same shape in its place that shares no memory with it (whose values are copied in); a new one twice as
+    long otherwise. Returns (the view, its room)."""
+    if room is not None and tensor is room.view and shape[dim] <= room.buffer.shape[dim]:
+        old = tensor.shape[dim]  # the common step: the room's last view, untouched since, grows in place
+    else:
+        old = 0 if tensor is None or tensor.numel() == 0 else tensor.shape[dim]
+        fits = room is not None and room.fits(shape, dtype, device)
+        if not (fits and old and room.holds(tensor)):
+            if not fits or (old and room.shares_memory(tensor)):
+                capacity = (*shape[:dim], max(2 * shape[dim], 16), *shape[dim + 1 :])
+                room = Room(torch.zeros(capacity, dtype=dtype, device=device), dim)
+            if old:
+                room.buffer.narrow(dim, 0, old).copy_(tensor)
+        if old < room.used:  # slots a crop gave back: zeros again, as fresh ones are
+            room.buffer.narrow(dim, old, min(shape[dim], room.used) - old).zero_()
     if fill:
-        room.buffer.narrow(dim, old, length).fill_(fill)
-    elif old < room.used:  # slots a crop gave back: zeros again, as fresh ones are
-        room.buffer.narrow(dim, old, min(shape[dim], room.used) - old).zero_()
+        room.buffer.narrow(dim, old, shape[dim] - old).fill_(fill)
     room.used = max(room.used, shape[dim])
-    return room.buffer.narrow(dim, 0, shape[dim]), room
+    room.view = room.buffer.narrow(dim, 0, shape[dim])
+    return room.view, room
 
 
 @dataclass
