@@ -11,6 +11,7 @@ a `risk` orders the grid on the first `ORDERING_SHARE` of each task's samples an
 
 import itertools
 import json
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -483,9 +484,20 @@ def save_calibration(model, report: dict[str, Any], model_dir: str | Path) -> Pa
     # The grid ran each setting on top of no exit: the lossy knobs it did not set are saved at their defaults, or
     # an earlier calibration's (an encoder threshold, a `max_exit_layer`) would stay and change what it measured.
     write_generation_defaults(model, {**LOSSY_DEFAULTS, **report["chosen"]})
-    model.generation_config.save_pretrained(model_dir)
-    Path(model_dir, "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_together(model_dir, {"calibration.json": report}, model.generation_config)
     return Path(model_dir, "generation_config.json")
+
+
+def write_together(folder: str | Path, records: dict[str, dict[str, Any]], generation_config) -> None:
+    """`generation_config` (its `save_pretrained`) and the JSON `records` into `folder`, all or none: written into a
+    scratch folder inside it first and moved into place once every one is, so that a write that fails (a full disk, a
+    read-only file) leaves no defaults without the record of how they were chosen."""
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".calibration-") as scratch:
+        generation_config.save_pretrained(scratch)
+        for name, record in records.items():
+            Path(scratch, name).write_text(json.dumps(record, indent=2) + "\n")
+        for path in sorted(Path(scratch).iterdir()):
+            path.replace(Path(folder, path.name))
 
 
 __all__ = [
@@ -504,4 +516,5 @@ __all__ = [
     "sweep",
     "with_encoder_min_exit_layer",
     "write_generation_defaults",
+    "write_together",
 ]

@@ -8,7 +8,7 @@ option) ends in one line on stderr and exit status 2, never a traceback.
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .data import CAPTION_PROMPT
 from .loading import build_processor, load_image, load_model_and_processor
@@ -163,12 +163,14 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         risk_levels,
         save_calibration,
     )
-    from .plots import tradeoff_plot
+    from .plots import check_plot_path, tradeoff_plot
     from .sharding import is_main_process
 
     risk = parse_risk(args.risk) if args.risk else None
     risk_levels(risk, task_list(args.tasks), args.delta)  # checked before the model loads
     check_tolerance(args.tolerance)
+    if args.plot:
+        check_plot_path(args.plot)  # not after the sweep, whose report a bad path would lose
 
     with_default_samples(args, 300, 64)
     given = args.encoder_thresholds
@@ -192,9 +194,11 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     )  # fmt: skip
     if not is_main_process():
         return
-    if args.write and report["chosen"] is not None:
-        report["written_to"] = str(save_calibration(model, report, args.model_dir))
-    print_report(report, args.json)  # also when nothing was chosen: the sweep's frontiers stay the user's
+    try:
+        if args.write and report["chosen"] is not None:
+            report["written_to"] = str(save_calibration(model, report, args.model_dir))
+    finally:  # also when nothing was chosen or writing failed: the sweep's frontiers stay the user's
+        print_report(report, args.json)
     if report["chosen"] is None:
         if args.write:
             raise ValueError(f"{not_chosen(report)}: nothing written.")
@@ -237,9 +241,11 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
         model, processor, task_list(args.tasks), args.split, args.samples, args.batch_size, thresholds, draft_tokens,
         args.repeats, progress=not args.quiet, batch_sizes=batch_sizes,
     )  # fmt: skip
-    if args.write and report["chosen"] is not None:
-        report["written_to"] = save_drafting_calibration(model, report, args.model_dir)
-    print_report(report, args.json)  # also when nothing was chosen: the timings stay the user's
+    try:
+        if args.write and report["chosen"] is not None:
+            report["written_to"] = save_drafting_calibration(model, report, args.model_dir)
+    finally:  # also when nothing was chosen or writing failed: the timings stay the user's
+        print_report(report, args.json)
     if report["chosen"] is None:
         if args.write:
             raise ValueError(f"{no_drafts_chosen(report)}: nothing written.")
@@ -298,6 +304,8 @@ def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> di
 
     if args.forced_exit is None and not args.training_step:
         raise ValueError("Give a model folder, --forced-exit K or --training-step.")
+    if args.forced_exit is not None and args.training_step:
+        raise ValueError("--forced-exit and --training-step are two benchmarks: give one.")
     message = "--batch-sizes must be comma-separated integers"
     batch_sizes = tuple(parse_list(args.batch_sizes, int, message)) if args.batch_sizes else ()
     if any(size < 1 for size in batch_sizes) or args.repeats < 1 or args.new_tokens < 1:
@@ -307,6 +315,8 @@ def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> di
                    if set_here]  # fmt: skip
         if ignored:
             raise ValueError(f"--training-step times on the CPU in float32: drop {ignored}.")
+        if len(batch_sizes) > 1:
+            raise ValueError(f"--training-step times one batch size, got {list(batch_sizes)}.")
         return training_step_benchmark(
             args.preset,
             exit_losses=tuple(args.exit_losses.split(",")),
@@ -319,7 +329,7 @@ def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> di
     return forced_exit_benchmark(
         args.forced_exit,
         preset=args.preset,
-        batch_sizes=batch_sizes,
+        batch_sizes=batch_sizes or (1, 8),
         encoder_batch_size=args.encoder_batch_size,
         new_tokens=args.new_tokens,
         image_size=args.image_size,
@@ -438,8 +448,15 @@ def cmd_train(args: argparse.Namespace) -> None:
     print(f"saved the model and processor to {args.output_dir}")
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse with a bad option reported as every other error is: one line, status 2 (not usage, then the error)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"hf-earlyexit: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-earlyexit", description=__doc__.splitlines()[0])
+    parser = OneLineErrors(prog="hf-earlyexit", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     convert = commands.add_parser("convert", help="convert an official OFA checkpoint (HF port or fairseq)")
@@ -562,7 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--exit-losses", default="none,layerwise", help="with --training-step (default none,layerwise)")
     bench.add_argument("--preset", default="base", choices=["tiny", "medium", "base", "large", "huge"])
-    bench.add_argument("--batch-sizes", default="1,8", help="decoder batch sizes, comma-separated (default 1,8)")
+    bench.add_argument(
+        "--batch-sizes", help="decoder batch sizes, comma-separated (default 1,8; --training-step: one, default 8)"
+    )
     bench.add_argument("--encoder-batch-size", type=positive_int, default=1)
     bench.add_argument("--new-tokens", type=int, default=16)
     bench.add_argument("--image-size", type=positive_int, default=384)

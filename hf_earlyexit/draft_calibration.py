@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .benchmark import paired_seconds
-from .calibration import write_generation_defaults
+from .calibration import write_generation_defaults, write_together
 from .evaluation import TaskRun, run_batch, task_inputs
 
 # The default grid: lower thresholds than `calibration.DECODER_THRESHOLDS`, since a draft only has to be right
@@ -357,8 +357,7 @@ def save_drafting_calibration(model, report: dict[str, Any], folder: str | Path)
     if report["chosen"] is None:
         raise ValueError(f"{no_drafts_chosen(report)}: nothing written.")
     write_drafting_defaults(model, report["chosen"])
-    model.generation_config.save_pretrained(folder)
-    Path(folder, "calibration_speculative.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_together(folder, {"calibration_speculative.json": report}, model.generation_config)
     return str(Path(folder, "generation_config.json"))
 
 

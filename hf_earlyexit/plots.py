@@ -41,6 +41,15 @@ def policy_of(settings: dict[str, Any]) -> str:
     return f"decoder {settings.get('exit_policy', 'similarity')}" + (" + encoder" if encoder else "")
 
 
+def check_plot_path(path: str | Path) -> None:
+    """ValueError unless matplotlib can write an image of `path`'s kind (its suffix)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).suffix.lstrip(".").lower() not in kinds:
+        raise ValueError(f"--plot {path}: name an image file, one of {sorted(kinds)} (e.g. tradeoff.png).")
+
+
 def tradeoff_plot(
     sweeps: dict[str, tuple[OperatingPoint, Sequence[OperatingPoint]]],
     path: str | Path,

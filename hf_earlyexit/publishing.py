@@ -31,6 +31,7 @@ MODEL_TYPE = "ofa_early_exit"
 # Copied from the model folder when present: the calibration sweep and how the model was trained.
 RECORDS = ("calibration.json", "calibration_speculative.json", "training_recipe.json")
 VALIDATION_IMAGE = "validation_image.png"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 class PublishError(RuntimeError):
@@ -58,7 +59,12 @@ def check_model_dir(model_dir: Path) -> dict[str, Any]:
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{model_dir} is not a model folder (no config.json).")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file} is not JSON ({error}).") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} holds a {type(config).__name__}, not a model config (a JSON object).")
     if config.get("model_type") != MODEL_TYPE:
         raise ValueError(
             f"{model_dir} is not an hf-earlyexit model (model_type {config.get('model_type')!r}, not an hf-earlyexit "
@@ -105,6 +111,8 @@ def assemble(
         plot = model_dir / "tradeoff.png" if (model_dir / "tradeoff.png").is_file() else None
     elif not Path(plot).is_file():
         raise ValueError(f"No plot at {plot}.")
+    elif not Path(plot).read_bytes().startswith(PNG_SIGNATURE):
+        raise ValueError(f"{plot} is not a PNG image: the card shows it as tradeoff.png.")
     if check_replaceable(output_dir, model_dir):
         shutil.rmtree(output_dir)
 

@@ -62,9 +62,11 @@ def measured_table(records: list[dict[str, Any]]) -> str:
     ]
     for record, setting in zip(records, record_settings(records), strict=True):
         full, early = record["full"], record["early_exit"]
-        ratio = early["quality"] / full["quality"] if full["quality"] else float("nan")
+        measured = full["quality"] is not None and early["quality"] is not None  # None: the metric had too few samples
+        ratio = early["quality"] / full["quality"] if measured and full["quality"] else float("nan")
+        qualities = [f"{quality:.3f}" if measured else "—" for quality in (full["quality"], early["quality"])]
         rows.append(
-            f"| {record['task']} | {record['metric']} | {full['quality']:.3f} | {early['quality']:.3f} "
+            f"| {record['task']} | {record['metric']} | {qualities[0]} | {qualities[1]} "
             f"| {ratio:.1%} | {early['expected_time_reduction']:.1%} / "
             f"{early.get('expected_time_reduction_flops', float('nan')):.1%} "
             f"| {record['wall_clock_time_reduction']:.1%} | {record.get('samples', '?')} x "

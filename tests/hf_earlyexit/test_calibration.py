@@ -180,6 +180,20 @@ def test_writing_a_choice_resets_the_lossy_knobs_it_does_not_set(tmp_path):
     assert saved["exit_mode"] == "speculative" and saved["draft_exit_threshold"] == 0.4
 
 
+def test_a_write_that_fails_leaves_the_folder_as_it_was(tmp_path):
+    """The defaults and the record of how they were chosen go in together or not at all."""
+    model = tiny_model()
+    model.generation_config.save_pretrained(tmp_path)
+    before = (tmp_path / "generation_config.json").read_text()
+    (tmp_path / "calibration.json").mkdir()  # a record that cannot be replaced
+    with pytest.raises(OSError):
+        save_calibration(
+            model, {"chosen": {"exit_policy": "confidence", "exit_threshold": 0.5}, "tolerance": 0.01}, tmp_path
+        )
+    assert (tmp_path / "generation_config.json").read_text() == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["calibration.json", "generation_config.json"]
+
+
 def test_nothing_is_written_when_nothing_was_chosen(tmp_path):
     with pytest.raises(ValueError, match="within 1.0% of the full model: nothing written"):
         save_calibration(tiny_model(), {"chosen": None, "tolerance": 0.01}, tmp_path)

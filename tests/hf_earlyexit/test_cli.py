@@ -76,6 +76,8 @@ def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_to
         (lambda d, t: ["caption", str(t), str(t / "not_image.png")], "Cannot read"),
         (lambda d, t: ["caption", str(t), str(t / "ok.png")], "not a model folder"),
         (lambda d, t: ["caption", str(t / "other_model"), str(t / "ok.png")], "not an hf-earlyexit OFA model"),
+        (lambda d, t: ["caption", str(t / "list_config"), str(t / "ok.png")], "holds a list, not a model config"),
+        (lambda d, t: ["caption", str(t / "bad_json"), str(t / "ok.png")], "config.json is not JSON"),
         (lambda d, t: ["convert", "--from", str(t / "nowhere"), "--to", str(t / "out")], "No checkpoint"),
         (lambda d, t: ["bench", "--forced-exit", "4", "--preset", "tiny"], "--forced-exit"),
         (lambda d, t: ["bench", "--forced-exit", "1", "--batch-sizes", "0"], "positive"),
@@ -98,6 +100,9 @@ def test_user_errors_are_one_line(tmp_path, capsys, make_argv, message):
     Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
     (tmp_path / "other_model").mkdir()
     (tmp_path / "other_model" / "config.json").write_text('{"model_type": "bert"}')
+    for folder, text in (("list_config", "[1, 2]"), ("bad_json", "{model_type: ofa}")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text(text)
     capsys.readouterr()  # drop the set-up's progress bars
     assert main(make_argv(None, tmp_path)) == 2
     err = capsys.readouterr().err
@@ -292,6 +297,21 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     assert report["dtype"] == "bfloat16" and report["full"]["seconds"] > 0
 
 
+def test_calibrate_prints_its_report_when_writing_it_fails(task_model_dir, capsys, monkeypatch):
+    from hf_earlyexit import calibration
+
+    def full_disk(*args):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(calibration, "save_calibration", full_disk)
+    argv = ["calibrate", str(task_model_dir), "--tasks", "vqa", "--samples", "4", "--batch-size", "2", "--quiet"]
+    grid = ["--confidence-thresholds", "0.0", "--similarity-thresholds", "", "--encoder-thresholds", ""]
+    assert main([*argv, *grid, "--tolerance", "0.99", "--write", "--json"]) == 2
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["chosen"] is not None  # the sweep's report is kept
+    assert printed.err.strip().endswith("No space left on device")
+
+
 def test_calibrate_with_a_risk_says_when_nothing_is_certified_and_what_would_be(task_model_dir, capsys):
     argv = ["calibrate", str(task_model_dir), "--tasks", "vqa", "--samples", "8", "--batch-size", "2", "--quiet"]
     grid = ["--confidence-thresholds", "1.0", "--similarity-thresholds", "", "--encoder-thresholds", "1.0"]  # no exit
@@ -405,6 +425,9 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
             else []
         ),
         (["bench"], "Give a model folder"),
+        (["bench", "--forced-exit", "1", "--training-step"], "give one"),
+        (["bench", "--training-step", "--batch-sizes", "1,8"], "one batch size"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--plot", "{t}/tradeoff.txt"], "name an image file"),
     ],
 )
 def test_task_command_errors_are_one_line(task_model_dir, tmp_path, capsys, argv, message):
@@ -441,4 +464,6 @@ def test_counts_below_one_are_refused_before_anything_runs(capsys, argv):
     with pytest.raises(SystemExit) as exit_status:
         main(argv)
     assert exit_status.value.code == 2
-    assert f"argument {argv[-2]}: must be a positive integer, got '{argv[-1]}'" in capsys.readouterr().err
+    err = capsys.readouterr().err  # one line, as every other error
+    assert err.startswith("hf-earlyexit: error: ") and len(err.strip().splitlines()) == 1
+    assert f"argument {argv[-2]}: must be a positive integer, got '{argv[-1]}'" in err

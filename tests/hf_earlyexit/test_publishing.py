@@ -117,6 +117,23 @@ def test_measured_table_names_each_records_kv_strategy_and_the_settings_that_dif
     ]
 
 
+def test_a_record_without_a_quality_shows_a_dash_not_a_crash():
+    unscored = {
+        **RECORD,
+        "full": {**RECORD["full"], "quality": None},
+        "early_exit": {**RECORD["early_exit"], "quality": None},
+    }
+    row = measured_table([unscored]).splitlines()[2]
+    assert row.startswith("| vqa | accuracy | — | — | nan% |")
+
+
+def test_a_plot_that_is_not_a_png_is_refused_before_anything_is_written(model_dir, tmp_path):
+    (tmp_path / "notes.txt").write_text("not an image")
+    with pytest.raises(ValueError, match="not a PNG"):
+        assemble(model_dir, tmp_path / "out", REPO_ID, plot=tmp_path / "notes.txt")
+    assert not (tmp_path / "out").exists()
+
+
 def test_card_metadata_parses_and_holds_the_measured_table(assembled):
     card = ModelCard.load(assembled / "README.md")
     assert card.data.library_name == "transformers"
