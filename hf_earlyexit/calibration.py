@@ -385,12 +385,12 @@ def risk_levels(
     if risk is None:
         return None
     levels = risk if isinstance(risk, dict) else dict.fromkeys(tasks, risk)
-    missing = [name for name in tasks if name not in levels]
-    if missing:
-        raise ValueError(f"No risk level for {missing}: give one for every task, or one for all.")
     unknown = sorted(set(levels) - set(tasks))
     if unknown:
         raise ValueError(f"Risk levels for {unknown}, which are not among the tasks {list(tasks)}.")
+    missing = [name for name in tasks if name not in levels]
+    if missing:
+        raise ValueError(f"No risk level for {missing}: give one for every task, or one for all.")
     for level in levels.values():
         check_risk(level, delta)
     return {name: levels[name] for name in tasks}

@@ -166,6 +166,11 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from .plots import check_plot_path, tradeoff_plot
     from .sharding import is_main_process
 
+    unused = flags_set(args, DRAFT_CALIBRATION)
+    if unused:
+        raise ValueError(f"{unused} time speculative drafts: they have no meaning without --exit-mode speculative.")
+    if args.risk and flags_set(args, ("tolerance",)):
+        raise ValueError("--risk certifies in place of --tolerance's quality bound: give one of them.")
     risk = parse_risk(args.risk) if args.risk else None
     risk_levels(risk, task_list(args.tasks), args.delta)  # checked before the model loads
     check_tolerance(args.tolerance)
@@ -219,9 +224,7 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
     one_process("calibrate --exit-mode speculative")
     task_list(args.tasks)  # checked before the model loads
 
-    unused = [
-        flag for flag, value in (("--encoder-thresholds", args.encoder_thresholds), ("--plot", args.plot)) if value
-    ]
+    unused = flags_set(args, (*LOSSY_CALIBRATION, "encoder_thresholds", "plot"))
     if unused:
         raise ValueError(f"{unused} have no meaning with --exit-mode speculative, whose output is the full model's.")
     with_default_samples(args, 64, 1)
@@ -250,6 +253,16 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
         if args.write:
             raise ValueError(f"{no_drafts_chosen(report)}: nothing written.")
         print(f"{no_drafts_chosen(report)}.", file=sys.stderr)
+
+
+# The options of each kind of calibration (their `dest`), refused with the other kind rather than ignored.
+LOSSY_CALIBRATION = ("risk", "delta", "tolerance", "exit_token_layers", "batch_stop_fractions", "max_exit_layers")
+DRAFT_CALIBRATION = ("draft_tokens", "repeats", "draft_batch_sizes")
+
+
+def flags_set(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """The options among `names` that the command line set to other than their defaults, as flags."""
+    return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) != args.parser.get_default(name)]
 
 
 def policy_thresholds(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str, list[float]]:
@@ -349,6 +362,10 @@ def parse_risk(text: str) -> float | dict[str, float]:
             raise ValueError(f"{message}, got {text!r}.")
         return levels[0]
     pairs = [item.partition("=") for item in text.split(",")]
+    names = [name.strip() for name, _, _ in pairs]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"--risk gives {repeated} more than one level.")
     return {name.strip(): parse_list(value, float, message)[0] for name, _, value in pairs}
 
 
@@ -551,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
     calibrate.add_argument("--samples", type=int, help="samples of each split (default 300; speculative 64)")
     calibrate.add_argument("--batch-size", type=int, help="default 64; speculative 1 (the choice is for this size)")
-    calibrate.set_defaults(run=cmd_calibrate)
+    calibrate.set_defaults(run=cmd_calibrate, parser=calibrate)
 
     bench = commands.add_parser(
         "bench",

@@ -331,7 +331,8 @@ def test_calibrate_with_a_risk_says_when_nothing_is_certified_and_what_would_be(
     assert err[-1].startswith("hf-earlyexit: error: No setting is certified") and err[-1].endswith("nothing written.")
     assert not any(line.startswith("No setting") for line in err)  # said once, as the error
     assert main([*argv, "--risk", "1.5"]) == 2 and "must lie in (0, 1)" in capsys.readouterr().err
-    assert main([*argv, "--risk", "caption=0.1"]) == 2 and "No risk level for ['vqa']" in capsys.readouterr().err
+    assert main([*argv, "--risk", "caption=0.1"]) == 2 and "for ['caption'], which are not" in capsys.readouterr().err
+    assert main([*argv, "--risk", "vqa=0.1,vqa=0.5"]) == 2 and "['vqa'] more than one" in capsys.readouterr().err
     assert main([*argv, "--risk", "0.1,0.2"]) == 2 and "one per task" in capsys.readouterr().err
     assert main([*argv, *grid, "--risk", "vqa=0.5", "--delta", "0.2", "--json"]) == 0  # a level per task
     assert json.loads(capsys.readouterr().out)["tasks"]["vqa"]["certificate"]["risk_level"] == 0.5
@@ -428,6 +429,10 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
         (["bench", "--forced-exit", "1", "--training-step"], "give one"),
         (["bench", "--training-step", "--batch-sizes", "1,8"], "one batch size"),
         (["calibrate", "{m}", "--tasks", "vqa", "--plot", "{t}/tradeoff.txt"], "name an image file"),
+        (["calibrate", "{m}", "--exit-mode", "speculative", "--risk", "0.1"], "['--risk'] have no meaning"),
+        (["calibrate", "{m}", "--exit-mode", "speculative", "--max-exit-layers", "1"], "['--max-exit-layers'] have"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--draft-tokens", "8"], "['--draft-tokens'] time speculative"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--risk", "0.1", "--tolerance", "0.5"], "give one of them"),
     ],
 )
 def test_task_command_errors_are_one_line(task_model_dir, tmp_path, capsys, argv, message):
