@@ -130,7 +130,7 @@ def assemble(
         repo_id,
         config,
         model.generation_config.to_dict(),
-        measured_table(records),
+        measured_table(records, model.generation_config.to_dict()),
         recipe=json.loads(recipe_file.read_text()) if recipe_file.is_file() else None,
         plot="tradeoff.png" if plot is not None else None,
         calibration=json.loads(calibration_file.read_text()) if calibration_file.is_file() else None,

@@ -42,17 +42,30 @@ def read_benchmark(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def record_settings(records: list[dict[str, Any]]) -> list[str]:
+# The knobs that shape the lossy exits a record measured (not speculative mode's drafts, nor their batch bound).
+LOSSY = [name for name in EXIT_KNOBS if name not in ("kv_strategy", "draft_max_batch_size", *DRAFT_KNOBS)]
+
+
+def record_settings(records: list[dict[str, Any]], defaults: dict[str, Any] | None = None) -> list[str]:
     """Per record, its skipped layers' K/V strategy and the knobs where its lossy exits' settings differ from another
-    record's (the drafts' knobs do not reach them)."""
+    record's or from the model's saved generation `defaults` (the drafts' knobs do not reach them); a record measured
+    with other settings than those defaults says so, since the card calls them the model's."""
     settings = [{**EXIT_KNOBS, **record["early_exit"].get("settings", {})} for record in records]
     shown = [name for name in EXIT_KNOBS if name not in ("kv_strategy", *DRAFT_KNOBS)]
-    differing = [name for name in shown if len({repr(s[name]) for s in settings}) > 1]
-    return ["; ".join([s["kv_strategy"], *(f"{name}={s[name]}" for name in differing)]) for s in settings]
+    saved = None if defaults is None else {name: defaults.get(name, EXIT_KNOBS[name]) for name in shown}
+    compared = settings if saved is None else [*settings, saved]
+    differing = [name for name in shown if len({repr(s[name]) for s in compared}) > 1]
+    described = []
+    for s in settings:
+        text = "; ".join([s["kv_strategy"], *(f"{name}={s[name]}" for name in differing)])
+        stale = saved is not None and any(repr(s[name]) != repr(saved[name]) for name in shown if name in LOSSY)
+        described.append(f"{text} (not the saved defaults)" if stale else text)
+    return described
 
 
-def measured_table(records: list[dict[str, Any]]) -> str:
-    """A Markdown table of benchmark records: quality of both models, expected and wall-clock time reduction."""
+def measured_table(records: list[dict[str, Any]], defaults: dict[str, Any] | None = None) -> str:
+    """A Markdown table of benchmark records: quality of both models, expected and wall-clock time reduction, and
+    the settings of each (`record_settings`, against the model's generation `defaults` when given)."""
     if not records:
         raise ValueError("No benchmark records: the card needs measured numbers (`hf-earlyexit bench --json`).")
     rows = [
@@ -60,7 +73,7 @@ def measured_table(records: list[dict[str, Any]]) -> str:
         "| wall-clock reduction | samples x batch | device | skipped layers' K/V; settings that differ |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for record, setting in zip(records, record_settings(records), strict=True):
+    for record, setting in zip(records, record_settings(records, defaults), strict=True):
         full, early = record["full"], record["early_exit"]
         measured = full["quality"] is not None and early["quality"] is not None  # None: the metric had too few samples
         ratio = early["quality"] / full["quality"] if measured and full["quality"] else float("nan")

@@ -117,6 +117,15 @@ def test_measured_table_names_each_records_kv_strategy_and_the_settings_that_dif
     ]
 
 
+def test_a_record_measured_with_other_settings_than_the_saved_defaults_says_so():
+    """After `calibrate --write`, an earlier benchmark no longer measures what the card calls the model's defaults."""
+    rows = measured_table([RECORD], KNOBS).splitlines()[2:]
+    assert rows[0].endswith("| propagate |")
+    recalibrated = {**KNOBS, "exit_threshold": 0.6}
+    rows = measured_table([RECORD], recalibrated).splitlines()[2:]
+    assert rows[0].endswith("| propagate; exit_threshold=0.9 (not the saved defaults) |")
+
+
 def test_a_record_without_a_quality_shows_a_dash_not_a_crash():
     unscored = {
         **RECORD,
