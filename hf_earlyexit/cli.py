@@ -434,6 +434,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=positive_int, default=1000)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument(
+        "--save-steps", type=positive_int, default=500, help="checkpoint every N steps, the last kept (default 500)"
+    )
+    parser.add_argument("--resume", action="store_true", help="continue a stopped run from its last checkpoint")
 
 
 def parse_layers(text: str) -> list[int]:

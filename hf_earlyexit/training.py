@@ -3,12 +3,14 @@ trains exits on any image-text data set by column names, and the run behind `hf-
 `examples/` (their options: `hf_earlyexit.cli.add_training_arguments`)."""
 
 import argparse
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import datasets
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .data import CAPTION_PROMPT, ImageTextCollator, easy_vqa, load_image_text_dataset, train_tokenizer
 from .loading import load_model_and_processor
@@ -55,10 +57,12 @@ def train_exits(
     target_column: str = "answer",
     prompt: str = CAPTION_PROMPT,
     labels: bool = True,
+    resume_from_checkpoint: str | None = None,
     **trainer_kwargs,
 ) -> EarlyExitTrainer:
     """Train `model`'s exits with `args.exit_loss` on `train_dataset` (columns by name) and return the trainer.
-    `labels=False` trains without them (the label-free losses: "distill", "adversarial")."""
+    `labels=False` trains without them (the label-free losses: "distill", "adversarial"); `resume_from_checkpoint`
+    continues a run from one of its checkpoints."""
     columns = (image_column, target_column, text_column) if text_column else (image_column, target_column)
     if len(train_dataset) == 0:
         raise ValueError("The training data set has no rows.")
@@ -78,7 +82,7 @@ def train_exits(
         processing_class=processor,
         **trainer_kwargs,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
 
 
@@ -93,10 +97,16 @@ def check_texts(values: Iterable[Any], column: str, lists: bool) -> None:
 
 def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **training_arguments) -> EarlyExitTrainer:
     """Load the data set and the model (`config_fields` add exit heads), train with `training_arguments` (those of
-    `EarlyExitTrainingArguments`), and save the model and processor to `options.output_dir`."""
+    `EarlyExitTrainingArguments`), and save the model and processor to `options.output_dir`. The run checkpoints
+    there every `options.save_steps` steps, keeping the last, so that a stopped run continues (`options.resume`);
+    the saved model replaces the checkpoint."""
     text_column = options.text_column or None
     columns = (options.image_column, text_column, options.target_column)
-    check_output_dir(Path(options.output_dir))
+    output_dir, checkpoint = Path(options.output_dir), None
+    if options.resume:
+        checkpoint = last_checkpoint(output_dir)
+    else:
+        check_output_dir(output_dir)
     if options.dataset == "easy-vqa":
         dataset = easy_vqa(options.split or "train")
     else:
@@ -114,12 +124,19 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
         per_device_train_batch_size=options.batch_size,
         learning_rate=options.learning_rate,
         logging_steps=max(1, options.max_steps // 20),
-        save_strategy="no",
+        save_strategy="steps",
+        save_steps=options.save_steps,
+        save_total_limit=1,
         report_to="none",
         **training_arguments,
     )
-    trainer = train_exits(model, processor, dataset, args, *columns, prompt=options.prompt)
+    trainer = train_exits(
+        model, processor, dataset, args, *columns, prompt=options.prompt, resume_from_checkpoint=checkpoint
+    )
     trainer.save_model()
+    if trainer.is_world_process_zero():
+        for folder in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+            shutil.rmtree(folder)
     return trainer
 
 
@@ -127,7 +144,18 @@ def check_output_dir(output_dir: Path) -> None:
     """A run saves a whole model into its output folder: one that holds files already (a model, an earlier run's
     output) would be overwritten in part, leaving its other files to describe weights that are gone."""
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
-        raise ValueError(f"{output_dir} is not an empty folder: train into a new one (nothing was overwritten).")
+        raise ValueError(
+            f"{output_dir} is not an empty folder: train into a new one, or --resume a stopped run's last checkpoint "
+            "there (nothing was overwritten)."
+        )
+
+
+def last_checkpoint(output_dir: Path) -> str:
+    """The last checkpoint a stopped run left in `output_dir`; ValueError when there is none."""
+    checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+    if checkpoint is None:
+        raise ValueError(f"{output_dir} holds no checkpoint of a stopped run to resume from.")
+    return checkpoint
 
 
 __all__ = ["SMALL_OFA", "fine_tune", "small_model_and_processor", "train_exits"]

@@ -162,6 +162,35 @@ def test_train_saves_a_model_that_loads_with_its_exit_heads(tmp_path, capsys, ex
     assert (tmp_path / "trained" / "processor_config.json").is_file()
 
 
+def test_a_stopped_train_run_resumes_from_its_last_checkpoint(tmp_path, capsys, monkeypatch):
+    from transformers import AutoModel
+
+    from hf_earlyexit import EarlyExitTrainer
+
+    shapes_dataset().save_to_disk(tmp_path / "shapes")
+    argv = [*TRAIN, str(tmp_path / "shapes"), "--output-dir", str(tmp_path / "run"), "--save-steps", "1"]
+    argv[argv.index("--max-steps") + 1] = "2"
+
+    save_model = EarlyExitTrainer.save_model
+
+    def stopped(trainer, output_dir=None, **kwargs):  # checkpoints save, the final model does not
+        if output_dir is None:
+            raise OSError("No space left on device")
+        return save_model(trainer, output_dir, **kwargs)
+
+    with monkeypatch.context() as patched:  # the run stops after its last step, before saving the model
+        patched.setattr(EarlyExitTrainer, "save_model", stopped)
+        assert main(argv) == 2
+    assert [path.name for path in (tmp_path / "run").iterdir()] == ["checkpoint-2"]  # the last one kept
+    capsys.readouterr()
+    assert main(argv) == 2 and "--resume" in capsys.readouterr().err  # never over the stopped run
+    argv[argv.index("--max-steps") + 1] = "3"
+    assert main([*argv, "--resume"]) == 0
+    assert not list((tmp_path / "run").glob("checkpoint-*"))  # the saved model replaces the checkpoints
+    assert AutoModel.from_pretrained(tmp_path / "run", trust_remote_code=True).config.decoder_layers > 0
+    assert main([*argv, "--resume"]) == 2 and "no checkpoint" in capsys.readouterr().err
+
+
 def test_train_refuses_what_it_would_overwrite_or_could_not_load_in_one_line(tmp_path, capsys):
     shapes_dataset().save_to_disk(tmp_path / "shapes")
     shapes, trained = str(tmp_path / "shapes"), tmp_path / "trained"
