@@ -543,9 +543,9 @@ ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit
 
 def check_decoding(settings: EarlyExitSettings, generation_config: GenerationConfig, kwargs: dict[str, Any]) -> None:
     """Decoding methods that exits would silently change, or that OFA cannot run (classifier-free guidance), refused
-    with a ValueError that names the knob: assisted
-    decoding verifies several tokens in one pass under one exit decision per row, so lossy exits change its output;
-    speculative mode is its own assisted decoding, greedy or sampling."""
+    with a ValueError that names the knob: assisted decoding verifies several tokens in one pass under one exit
+    decision per row, so lossy exits change its output; speculative mode is its own assisted decoding, greedy or
+    sampling."""
     guidance = kwargs.get("guidance_scale", generation_config.guidance_scale)
     if guidance is not None and guidance != 1:
         raise ValueError(
