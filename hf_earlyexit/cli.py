@@ -623,7 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("model_dir", nargs="?", help="another calibrated model folder (default: the embedded one)")
     demo.add_argument("--output-dir", default="out/demo", help="where the exit picture goes")
     demo.add_argument(
-        "--batch-size", type=int, default=1, help="default 1: on a CPU, this small model's exits pay at batch 1"
+        "--batch-size", type=positive_int, default=1, help="default 1: on a CPU, this small model's exits pay at 1"
     )
     demo.set_defaults(run=cmd_demo)
 

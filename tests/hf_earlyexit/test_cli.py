@@ -492,6 +492,7 @@ def test_demo_uses_the_embedded_model_and_shows_exit_layers_and_savings(tmp_path
         ["train", "--max-steps", "0"],
         ["bench", "--forced-exit", "1", "--image-size", "0"],
         ["bench", "--forced-exit", "1", "--encoder-batch-size", "0"],
+        ["demo", "--batch-size", "0"],  # before the model loads
     ],
 )
 def test_counts_below_one_are_refused_before_anything_runs(capsys, argv):
