@@ -30,6 +30,7 @@ detached wherever they serve as the target.
 
 import contextlib
 import os
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from transformers import Seq2SeqTrainer
 
 from ..model_cards import NOT_MEASURED, measured_table, read_benchmark, render_model_card
 from ..modeling.exit_controllers import FixedLayerExit
+from ..modeling.exit_knobs import non_default_knobs, resolve_knobs
 from ..modeling.generation_early_exit import EarlyExitSettings
 from .discriminator import ExitDiscriminators
 from .early_exit_config import LABEL_FREE_LOSSES, EarlyExitTrainingArguments
@@ -100,6 +102,14 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             raise ValueError(
                 f"exit_loss={args.exit_loss!r} trains the exit heads, but every one of them is frozen (a PEFT model "
                 f"freezes all but its adapters): list them in PEFT's `modules_to_save` (those of {names} it has)."
+            )
+        saved = non_default_knobs(resolve_knobs(config, self.model.generation_config))
+        if saved:  # e.g. a calibration's thresholds, which training moves away from
+            warnings.warn(
+                f"The model's saved exit defaults {saved} were chosen for its weights before this training: "
+                "recalibrate (`hf-earlyexit calibrate MODEL_DIR --write`) before relying on them.",
+                UserWarning,
+                stacklevel=2,
             )
         self.discriminators = self.discriminator_optimizer = None
         if args.exit_loss == "adversarial":

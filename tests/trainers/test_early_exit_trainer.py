@@ -3,6 +3,7 @@ LoRA, encoder exit sampling and bad arguments. (The two-process Accelerate run i
 
 import itertools
 import json
+import warnings
 
 import pytest
 import torch
@@ -355,6 +356,17 @@ def test_resuming_on_a_numbered_host_device_restores_the_discriminators(tmp_path
     saved = torch.load(tmp_path / "out" / "checkpoint-2" / DISCRIMINATORS_NAME, weights_only=True)
     for name, value in resumed.discriminators.state_dict().items():
         assert torch.equal(value, saved["discriminators"][name]), name
+
+
+def test_training_a_model_with_saved_exit_defaults_says_to_recalibrate(tmp_path):
+    model = tiny_model(decoder_layers=DEPTH)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_for(tmp_path, model)
+    assert not [warning for warning in caught if "recalibrate" in str(warning.message)]
+    model.generation_config.exit_threshold = 0.8  # what `calibrate --write` saves
+    with pytest.warns(UserWarning, match=r"\{'exit_threshold': 0.8\} were chosen .* recalibrate"):
+        trainer_for(tmp_path, model)
 
 
 # --- bad arguments ------------------------------------------------------------------------------------------------
