@@ -41,7 +41,7 @@ from transformers import Seq2SeqTrainer
 
 from ..model_cards import NOT_MEASURED, measured_table, read_benchmark, render_model_card
 from ..modeling.exit_controllers import FixedLayerExit
-from ..modeling.exit_knobs import non_default_knobs, resolve_knobs
+from ..modeling.exit_knobs import EXIT_KNOBS, non_default_knobs
 from ..modeling.generation_early_exit import EarlyExitSettings
 from .discriminator import ExitDiscriminators
 from .early_exit_config import LABEL_FREE_LOSSES, EarlyExitTrainingArguments
@@ -103,7 +103,8 @@ class EarlyExitTrainer(Seq2SeqTrainer):
                 f"exit_loss={args.exit_loss!r} trains the exit heads, but every one of them is frozen (a PEFT model "
                 f"freezes all but its adapters): list them in PEFT's `modules_to_save` (those of {names} it has)."
             )
-        saved = non_default_knobs(resolve_knobs(config, self.model.generation_config))
+        generation_config = self.model.generation_config  # read as saved: `generate` checks it against the model
+        saved = non_default_knobs({name: getattr(generation_config, name, value) for name, value in EXIT_KNOBS.items()})
         if saved:  # e.g. a calibration's thresholds, which training moves away from
             warnings.warn(
                 f"The model's saved exit defaults {saved} were chosen for its weights before this training: "
