@@ -38,7 +38,6 @@ def small_model_and_processor(
     texts: list[str], image_size: int = 64, vocab_size: int = 600, seed: int = 0, **config_overrides
 ) -> tuple[EarlyExitOFAForConditionalGeneration, OFAProcessor]:
     """A randomly initialised small OFA-EE and its processor, with a BPE tokenizer trained on `texts`."""
-
     tokenizer = train_tokenizer(texts, vocab_size=vocab_size)
     config = OFAEarlyExitConfig(**{**SMALL_OFA, "vocab_size": len(tokenizer), **config_overrides})
     torch.manual_seed(seed)
@@ -119,7 +118,7 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     # Without an accelerator the processes of `accelerate launch` form a data-parallel group only on the CPU backend.
     training_arguments.setdefault("use_cpu", not torch.accelerator.is_available())
     args = EarlyExitTrainingArguments(
-        output_dir=options.output_dir,
+        output_dir=str(output_dir),
         max_steps=options.max_steps,
         per_device_train_batch_size=options.batch_size,
         learning_rate=options.learning_rate,

@@ -58,7 +58,7 @@ def record_settings(records: list[dict[str, Any]], defaults: dict[str, Any] | No
     described = []
     for s in settings:
         text = "; ".join([s["kv_strategy"], *(f"{name}={s[name]}" for name in differing)])
-        stale = saved is not None and any(repr(s[name]) != repr(saved[name]) for name in shown if name in LOSSY)
+        stale = saved is not None and any(repr(s[name]) != repr(saved[name]) for name in LOSSY)
         described.append(f"{text} (not the saved defaults)" if stale else text)
     return described
 

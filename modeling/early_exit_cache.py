@@ -45,13 +45,17 @@ class Room:
     used: int = 0
     view: torch.Tensor | None = None
 
+    def across(self, shape: tuple[int, ...]) -> bool:
+        """Whether `shape` has the buffer's dimensions but `dim`."""
+        dim = self.dim
+        return self.buffer.shape[:dim] == shape[:dim] and self.buffer.shape[dim + 1 :] == shape[dim + 1 :]
+
     def fits(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a tensor of `shape` fits: the same dimensions but `dim`, no longer, the same dtype and device."""
-        buffer, dim = self.buffer, self.dim
+        buffer = self.buffer
         return (
-            buffer.shape[:dim] == shape[:dim]
-            and buffer.shape[dim + 1 :] == shape[dim + 1 :]
-            and shape[dim] <= buffer.shape[dim]
+            self.across(shape)
+            and shape[self.dim] <= buffer.shape[self.dim]
             and buffer.dtype == dtype
             and buffer.device == device
         )
@@ -59,13 +63,9 @@ class Room:
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a prefix view of the buffer (a crop of a view it gave), not a tensor that a batch
         operation or a device move put in its place."""
-        buffer, dim = self.buffer, self.dim
-        return (
-            tensor.data_ptr() == buffer.data_ptr()
-            and tensor.stride() == buffer.stride()
-            and tensor.shape[:dim] == buffer.shape[:dim]
-            and tensor.shape[dim + 1 :] == buffer.shape[dim + 1 :]
-        )
+        buffer = self.buffer
+        same_start = tensor.data_ptr() == buffer.data_ptr() and tensor.stride() == buffer.stride()
+        return same_start and self.across(tensor.shape)
 
     def shares_memory(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
