@@ -243,16 +243,18 @@ def with_encoder_min_exit_layer(settings: dict[str, Any], points: Sequence[Opera
 LOSSY_DEFAULTS = {
     name: value
     for name, value in EXIT_KNOBS.items()
-    if name not in ("exit_controller", "exit_mode", "draft_max_batch_size", *DRAFT_KNOBS)
+    if name not in ("exit_controller", "exit_mode", "draft_max_batch_size", "draft_vocabulary", *DRAFT_KNOBS)
 }
 
 
 def write_generation_defaults(model, settings: dict[str, Any]) -> None:
     """Make `settings` the model's exit defaults: they go to its generation config, which `save_pretrained` keeps,
     so a plain `generate` (also as remote code, without this package) exits this way. Raises ValueError on a
-    knob that is unknown, invalid for the model, or not a JSON scalar (a controller object cannot be saved)."""
+    knob that is unknown, invalid for the model, or not a JSON scalar (a controller object cannot be saved), but
+    `draft_vocabulary`'s list of token ids."""
     scalars = (str, int, float, bool, type(None))
-    if "exit_controller" in settings or any(not isinstance(value, scalars) for value in settings.values()):
+    values = [value for name, value in settings.items() if name != "draft_vocabulary"]
+    if "exit_controller" in settings or any(not isinstance(value, scalars) for value in values):
         raise ValueError(f"Only scalar knobs can be saved as generation defaults, got {settings}.")
     EarlyExitSettings.from_knobs(model.config, **settings)  # validates names and values against the model
     for name in EXIT_KNOBS:

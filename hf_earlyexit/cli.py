@@ -242,13 +242,15 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
     model, processor = load_model_and_processor(args.model_dir)
     report = calibrate_drafts(
         model, processor, task_list(args.tasks), args.split, args.samples, args.batch_size, thresholds, draft_tokens,
-        args.repeats, progress=not args.quiet, batch_sizes=batch_sizes,
+        args.repeats, progress=not args.quiet, batch_sizes=batch_sizes, vocabulary_size=args.draft_vocabulary_size,
     )  # fmt: skip
     try:
         if args.write and report["chosen"] is not None:
             report["written_to"] = save_drafting_calibration(model, report, args.model_dir)
-    finally:  # also when nothing was chosen or writing failed: the timings stay the user's
-        print_report(report, args.json)
+    finally:  # also when nothing was chosen or writing failed: the timings stay the user's (--write saves the ids)
+        vocabulary = report.get("draft_vocabulary")
+        shown = {name: value for name, value in (vocabulary or {}).items() if name != "token_ids"}
+        print_report({**report, "draft_vocabulary": shown} if vocabulary else report, args.json)
     if report["chosen"] is None:
         if args.write:
             raise ValueError(f"{no_drafts_chosen(report)}: nothing written.")
@@ -257,7 +259,7 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
 
 # The options of each kind of calibration (their `dest`), refused with the other kind rather than ignored.
 LOSSY_CALIBRATION = ("risk", "delta", "tolerance", "exit_token_layers", "batch_stop_fractions", "max_exit_layers")
-DRAFT_CALIBRATION = ("draft_tokens", "repeats", "draft_batch_sizes")
+DRAFT_CALIBRATION = ("draft_tokens", "repeats", "draft_batch_sizes", "draft_vocabulary_size")
 
 
 def flags_set(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -558,6 +560,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-batch-sizes",
         default="",
         help="speculative: larger batch sizes to time the best settings at too (e.g. 8,16); sets draft_max_batch_size",
+    )
+    calibrate.add_argument(
+        "--draft-vocabulary-size",
+        type=positive_int,
+        help="speculative: drafts propose only the N tokens most frequent in the split's references (draft_vocabulary)",
     )
     calibrate.add_argument(
         "--exit-token-layers", default="own", help="decoder batch rule to sweep: own, batch or own,batch"

@@ -1,6 +1,7 @@
 """Choosing speculative mode's drafts by the clock: which decoder exit drafts (`draft_exit_policy`,
 `draft_exit_threshold`), how many tokens a round drafts (`num_assistant_tokens`), and up to which batch size drafting
 pays (`draft_max_batch_size`: a step costs about its deepest row, so larger batches gain less from shallow drafts).
+On request, the drafts propose only the tokens the references use most (`draft_vocabulary`, `frequent_tokens`).
 
 Speculative mode's output is the full model's whatever drafts it, so there is no quality to trade: the choice is the
 setting with the most tokens per second, timed beside the full model on the same batches. Lower thresholds than
@@ -10,6 +11,7 @@ the run behind `hf-earlyexit calibrate --exit-mode speculative`.
 
 import json
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,8 @@ from typing import Any
 
 from .benchmark import paired_seconds
 from .calibration import write_generation_defaults, write_together
-from .evaluation import TaskRun, run_batch, task_inputs
+from .data import prompt_text
+from .evaluation import TaskInputs, TaskRun, run_batch, task_inputs
 
 # The default grid: lower thresholds than `calibration.DECODER_THRESHOLDS`, since a draft only has to be right
 # often enough; on the embedded model confidence 0.3-0.4 drafts fastest.
@@ -84,13 +87,36 @@ def drafting_grid(
     ]
 
 
+def reference_tokens(processor, targets: Sequence[str | list[str]]) -> list[int]:
+    """Every token of the references `targets` (a string, or several per sample), tokenized as training labels them:
+    after the start token, which the decoder is fed and never drafts, so each holds the end token once."""
+    texts = [prompt_text(text) for target in targets for text in ([target] if isinstance(target, str) else target)]
+    return [token for ids in processor.tokenizer(texts)["input_ids"] for token in ids[1:]]
+
+
+def frequent_tokens(processor, targets: Sequence[str | list[str]], size: int) -> list[int]:
+    """A draft vocabulary (FR-Spec): the `size` token ids most frequent in the references `targets`
+    (`reference_tokens`), most frequent first, ties by id."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"The draft vocabulary's size must be a positive integer, got {size!r}.")
+    counts = Counter(reference_tokens(processor, targets))
+    return [token for token, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:size]]
+
+
 def time_drafts(
-    model, processor, inputs, grid: Sequence[dict[str, Any]], repeats: int = 2, progress: bool = True
+    model,
+    processor,
+    inputs,
+    grid: Sequence[dict[str, Any]],
+    repeats: int = 2,
+    progress: bool = True,
+    vocabulary: Sequence[int] | None = None,
 ) -> list[DraftingPoint]:
-    """Each setting of `grid` in speculative mode and the full model on the same batches, every one back to back per
-    batch (`benchmark.paired_seconds`, so a shared machine's drift stays out of the ratios)."""
+    """Each setting of `grid` in speculative mode, its drafts proposing tokens of `vocabulary` only (None: any), and
+    the full model on the same batches, every one back to back per batch (`benchmark.paired_seconds`, so a shared
+    machine's drift stays out of the ratios)."""
     # Drafting at every batch size, whatever `draft_max_batch_size` the model has saved: the drafts are what is timed.
-    drafting = {"exit_mode": "speculative", "draft_max_batch_size": None}
+    drafting = {"exit_mode": "speculative", "draft_max_batch_size": None, "draft_vocabulary": vocabulary}
     settings = {"full": {}} | {json.dumps(knobs): drafting | knobs for knobs in grid}
     runs: dict[str, list[TaskRun | None]] = {name: [None] * len(inputs.batches) for name in settings}
 
@@ -255,13 +281,14 @@ def time_at_batch_sizes(
     grid: Sequence[dict[str, Any]],
     repeats: int,
     progress: bool,
+    vocabulary: Sequence[int] | None = None,
 ) -> dict[int, dict[str, list[DraftingPoint]]]:
     """`time_drafts` of `grid` on each task at each of `batch_sizes`: size -> task -> points."""
     return {
         size: {
             name: time_drafts(
                 model, processor, task_inputs(name, processor, split, samples, size, model.device), grid, repeats,
-                progress,
+                progress, vocabulary,
             )
             for name in tasks
         }
@@ -282,6 +309,7 @@ def calibrate_drafts(
     write_to: str | Path | None = None,
     progress: bool = True,
     batch_sizes: Sequence[int] = (),
+    vocabulary_size: int | None = None,
 ) -> dict[str, Any]:
     """Time every drafting setting of `thresholds` x `draft_tokens` on each task's first `samples` rows of `split`
     in batches of `batch_size` (the choice is for that batch size: speculative mode pays most at batch 1), and choose
@@ -296,6 +324,10 @@ def calibrate_drafts(
         decode with the full model.
 
     Without `batch_sizes`, the choice's `draft_max_batch_size` is `batch_size`: drafts are known to pay up to there.
+
+    vocabulary_size: every setting drafts from the `frequent_tokens` of this size in the tasks' references on
+        `split`; the report's `draft_vocabulary` gives their ids, how many, and the share of the references' tokens
+        they cover per task, and the choice is saved with them. None: drafts score every token.
 
     write_to: the model's folder, where the choice is saved (`save_drafting_calibration`); ValueError, and nothing
         written, when no setting was at least as fast as the full model on every task.
@@ -312,10 +344,14 @@ def calibrate_drafts(
         "points": len(grid),
         "tasks": {},
     }
+    inputs = {name: task_inputs(name, processor, split, samples, batch_size, model.device) for name in tasks}
+    vocabulary = None
+    if vocabulary_size is not None:
+        vocabulary = frequent_tokens(processor, [t for task in inputs.values() for t in task.targets], vocabulary_size)
+        report["draft_vocabulary"] = vocabulary_report(processor, inputs.values(), vocabulary)
     timings = {}
     for name in tasks:
-        inputs = task_inputs(name, processor, split, samples, batch_size, model.device)
-        timings[name] = time_drafts(model, processor, inputs, grid, repeats, progress)
+        timings[name] = time_drafts(model, processor, inputs[name], grid, repeats, progress, vocabulary)
         full = timings[name][0]
         report["tasks"][name] = {
             "full_seconds": round(full.full_seconds, 4),
@@ -327,7 +363,7 @@ def calibrate_drafts(
         candidates = contenders(timings)
         shortlist = {name: [p for p in points if p.settings in candidates] for name, points in timings.items()}
         larger = time_at_batch_sizes(
-            model, processor, tasks, split, samples, batch_sizes, candidates, repeats, progress
+            model, processor, tasks, split, samples, batch_sizes, candidates, repeats, progress, vocabulary
         )
         chosen, choice = choose_for_batch_sizes({batch_size: shortlist} | larger)
         report |= choice
@@ -345,6 +381,16 @@ def calibrate_drafts(
     return report
 
 
+def vocabulary_report(processor, inputs: Sequence[TaskInputs], vocabulary: list[int]) -> dict[str, Any]:
+    """A draft vocabulary's size, the share of the references' tokens it holds per task, and its token ids."""
+    kept = set(vocabulary)
+    coverage = {}
+    for task in inputs:
+        tokens = reference_tokens(processor, task.targets)
+        coverage[task.task.name] = round(sum(token in kept for token in tokens) / len(tokens), 4)
+    return {"size": len(vocabulary), "coverage": coverage, "token_ids": vocabulary}
+
+
 def no_drafts_chosen(report: dict[str, Any]) -> str:
     """Why a `calibrate_drafts` report chose nothing."""
     return f"No drafting setting was as fast as the full model on every task at batch size {report['batch_size']}"
@@ -352,11 +398,13 @@ def no_drafts_chosen(report: dict[str, Any]) -> str:
 
 def save_drafting_calibration(model, report: dict[str, Any], folder: str | Path) -> str:
     """Save a `calibrate_drafts` report's choice as the model's speculative defaults in `folder`
-    (`write_drafting_defaults`, then generation_config.json) and the report as calibration_speculative.json; returns
-    the generation config's path. ValueError, and nothing written, when nothing was chosen."""
+    (`write_drafting_defaults`, then generation_config.json; with the report's draft vocabulary, or none) and the
+    report as calibration_speculative.json; returns the generation config's path. ValueError, and nothing written,
+    when nothing was chosen."""
     if report["chosen"] is None:
         raise ValueError(f"{no_drafts_chosen(report)}: nothing written.")
-    write_drafting_defaults(model, report["chosen"])
+    vocabulary = report.get("draft_vocabulary")
+    write_drafting_defaults(model, {**report["chosen"], "draft_vocabulary": vocabulary and vocabulary["token_ids"]})
     write_together(folder, {"calibration_speculative.json": report}, model.generation_config)
     return str(Path(folder, "generation_config.json"))
 
@@ -373,6 +421,7 @@ __all__ = [
     "contenders",
     "drafting_grid",
     "fastest_drafts",
+    "frequent_tokens",
     "largest_paying_batch_size",
     "served_speedup",
     "time_drafts",

@@ -188,6 +188,10 @@ class OFAEarlyExitConfig(PreTrainedConfig):
             full model, which gives the same output: a step costs about its deepest row, so past some batch size the
             drafts no longer save time (`calibrate --exit-mode speculative --draft-batch-sizes` measures where).
             None = draft at any batch size.
+        draft_vocabulary: the token ids a draft may propose in speculative mode (FR-Spec): its exit head scores
+            these only, which at OFA's vocabulary of 59457 is most of a shallow draft's time; the verification
+            scores every token, so the output stays the full model's, and a token outside the list comes from the
+            full model alone. None = every token.
 
     Exit heads (trained modules that map a decoder layer's output to the input of the shared final LayerNorm and
     output projection; with neither field set, every layer uses the shared head directly, as MuE does):
@@ -265,6 +269,7 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     draft_exit_policy: str | None = None
     draft_exit_threshold: float | int | None = None
     draft_max_batch_size: int | None = None
+    draft_vocabulary: list[int] | None = None
     exit_adapter_dim: int | None = None
     exit_transformer_layers: list[int] | None = None
 

@@ -30,7 +30,8 @@ EXIT_MODES: tuple[str, ...] = get_args(ExitMode)
 # Parts of the encoder a controller can be given for: the joint encoder, or each stream of a decomposed one.
 ENCODER_PARTS: tuple[str, ...] = EXIT_PARTS[1:]
 
-# Knob -> default. All but `exit_controller` (an object) are JSON scalars kept in the config / generation config.
+# Knob -> default. All but `exit_controller` (an object) are JSON values kept in the config / generation config:
+# scalars, and `draft_vocabulary`'s list of token ids.
 EXIT_KNOBS: dict[str, Any] = {
     "exit_threshold": None,
     "exit_policy": "similarity",
@@ -50,6 +51,7 @@ EXIT_KNOBS: dict[str, Any] = {
     "draft_exit_policy": None,
     "draft_exit_threshold": None,
     "draft_max_batch_size": None,
+    "draft_vocabulary": None,
 }
 # Every knob at its default, i.e. no part exits: passed on top of saved defaults, it asks for the full model.
 NO_EXIT: dict[str, Any] = dict(EXIT_KNOBS)
@@ -122,6 +124,7 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
             raise ValueError(f"`{name}` is a cosine similarity and must lie in {list(bounds)}, got {threshold}.")
     check_batch_rules(values)
     check_draft_batch_size(values.get("draft_max_batch_size"))
+    check_draft_vocabulary(values.get("draft_vocabulary"), config.vocab_size)
     check_encoder_parts({part for part in ENCODER_PARTS if values.get(f"{part}_exit_threshold") is not None}, config)
 
 
@@ -141,6 +144,21 @@ def check_draft_batch_size(size: Any) -> None:
     """`draft_max_batch_size`: a positive integer, or None (speculative mode drafts at any batch size)."""
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ValueError(f"`draft_max_batch_size` must be a positive integer or None, got {size!r}.")
+
+
+def check_draft_vocabulary(vocabulary: Any, vocab_size: int) -> None:
+    """`draft_vocabulary`: None (drafts score every token), or distinct token ids in [0, `vocab_size`) (a list, a tuple
+    or a 1-D tensor)."""
+    if vocabulary is None:
+        return
+    ids = vocabulary.tolist() if hasattr(vocabulary, "tolist") else vocabulary
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError(f"`draft_vocabulary` must be a non-empty list of token ids or None, got {vocabulary!r}.")
+    wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if wrong:
+        raise ValueError(f"`draft_vocabulary` must hold token ids in [0, {vocab_size}), got {wrong[:5]}.")
+    if len(set(ids)) != len(ids):
+        raise ValueError("`draft_vocabulary` holds a token id more than once.")
 
 
 def check_encoder_parts(parts: set[str], config: Any) -> None:
@@ -234,6 +252,7 @@ __all__ = [
     "ThresholdScheduleName",
     "check_batch_rules",
     "check_draft_batch_size",
+    "check_draft_vocabulary",
     "check_encoder_parts",
     "check_knobs",
     "drafts_with_exit_knobs",

@@ -56,7 +56,8 @@ class EarlyExitSettings:
     None: any), the decoding length the
     threshold schedules decay over, and what ready rows do at batch > 1 (`row_exit`, and the decoder's batch-level
     rules `exit_token_layer` and `batch_stop_fraction`), and the `exit_mode`: lossy exits, or exits that draft for
-    the full model (`speculative`, up to `draft_max_batch_size` decoder rows)."""
+    the full model (`speculative`, up to `draft_max_batch_size` decoder rows, proposing tokens of the
+    `draft_vocabulary` only: None, any)."""
 
     decoder: ExitController | None = None
     encoder: ExitController | None = None
@@ -72,6 +73,7 @@ class EarlyExitSettings:
     batch_stop_fraction: float = 1.0
     exit_mode: ExitMode = "exit"
     draft_max_batch_size: int | None = None
+    draft_vocabulary: tuple[int, ...] | None = None
 
     @classmethod
     def from_knobs(
@@ -120,15 +122,20 @@ class EarlyExitSettings:
             exit_mode=value["exit_mode"],
             draft_max_batch_size=value["draft_max_batch_size"],
         )
-        return settings.drafting(knobs) if settings.exit_mode == "speculative" else settings
+        if settings.exit_mode != "speculative":
+            return settings
+        vocabulary = value["draft_vocabulary"]
+        ids = vocabulary.tolist() if hasattr(vocabulary, "tolist") else vocabulary  # a tensor or an array
+        return settings.drafting(knobs, None if ids is None else tuple(ids))
 
-    def drafting(self, given: dict[str, Any]) -> "EarlyExitSettings":
+    def drafting(self, given: dict[str, Any], vocabulary: tuple[int, ...] | None = None) -> "EarlyExitSettings":
         """The settings of speculative mode, whose output is the full model's (`SPECULATIVE_KNOBS`): the encoder runs
         in full (its exits would change what the decoder reads), the cache keeps exact K/V (`recompute`: the
         verification runs only the layers the drafts skipped and keeps them), and a drafting row leaves the layers
         after its exit (`compact`: kept running, it would first run the layers its earlier drafts skipped, one token
-        at a time). Saved defaults that say otherwise are set aside; knobs `given` in this call with another value
-        than their default are a ValueError, since they would be ignored."""
+        at a time), and drafts propose tokens of the draft `vocabulary` only. Saved defaults that say otherwise are set
+        aside; knobs `given` in this call with another value than their default are a ValueError, since they would be
+        ignored."""
         if self.decoder is None:
             raise ValueError(
                 '`exit_mode="speculative"` drafts with the decoder\'s exits: set `draft_exit_threshold`, '
@@ -150,9 +157,9 @@ class EarlyExitSettings:
                 '`exit_mode="speculative"` runs the encoder in full and drafts with `kv_strategy="recompute"` and '
                 f'`row_exit="compact"`, so that the output is the full model\'s: drop {conflicts}.'
             )
-        return dataclasses.replace(self, encoder=None, encoder_image=None, encoder_text=None, **{
-            name: value for name, value in SPECULATIVE_KNOBS.items() if not name.endswith("_exit_threshold")
-        })  # fmt: skip
+        fixed = {name: value for name, value in SPECULATIVE_KNOBS.items() if not name.endswith("_exit_threshold")}
+        parts = dict.fromkeys(ENCODER_PARTS)  # the encoder runs in full
+        return dataclasses.replace(self, **parts, **fixed, draft_vocabulary=vocabulary)
 
     @property
     def exits(self) -> bool:

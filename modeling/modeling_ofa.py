@@ -16,7 +16,7 @@ Two deliberate differences from the official port, both invisible on its inputs:
 import functools
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -983,6 +983,35 @@ class DecoderStepBiases:
 
 
 @dataclass
+class DraftVocabulary:
+    """The output projection restricted to speculative mode's `draft_vocabulary`: its token `ids` [V'] and their rows
+    of the projection (`weight` [V', d], `bias`), read once per call; None where the projection must be called
+    (wrapped or hooked, `plain_modules`)."""
+
+    ids: torch.Tensor
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, projection: nn.Linear, ids: Sequence[int], device: torch.device) -> "DraftVocabulary":
+        index = torch.tensor(ids, device=device)
+        if not plain_modules([projection]):
+            return cls(index, None, None)
+        bias = None if projection.bias is None else projection.bias[index]
+        return cls(index, projection.weight[index], bias)
+
+    def logits(self, normalized: torch.Tensor, projection: nn.Linear) -> torch.Tensor:
+        """[..., vocab] logits of final-LayerNorm'd states [..., d] over the draft vocabulary, -inf elsewhere: a
+        draft never proposes the other tokens, and its distribution gives them no mass."""
+        if self.weight is None:
+            scored = projection(normalized)[..., self.ids]
+        else:
+            scored = F.linear(normalized, self.weight, self.bias)
+        logits = scored.new_full((*scored.shape[:-1], projection.out_features), -torch.inf)
+        return logits.index_copy_(-1, self.ids, scored)
+
+
+@dataclass
 class DecoderPositionTable:
     """The decoder's position terms for every position id 0..P-1 (P = max_position_embeddings + 2), so that a
     decoding step of rows without a decoder attention mask slices them instead of recomputing them.
@@ -1199,9 +1228,26 @@ class OFADecoder(nn.Module):
             )
         return self.measured_layer_costs[key]
 
-    def exit_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits of exit-head inputs [..., d]: the shared final LayerNorm and output projection."""
-        return self.output_projection(self.layer_norm(hidden_states))
+    def exit_logits(self, hidden_states: torch.Tensor, vocabulary: DraftVocabulary | None = None) -> torch.Tensor:
+        """Logits of exit-head inputs [..., d]: the shared final LayerNorm and output projection, over a draft's
+        `vocabulary` only when given."""
+        return self.projected(self.layer_norm(hidden_states), vocabulary)
+
+    def projected(self, normalized: torch.Tensor, vocabulary: DraftVocabulary | None = None) -> torch.Tensor:
+        """The output projection of final-LayerNorm'd states [..., d], over a draft's `vocabulary` only when given."""
+        if vocabulary is None:
+            return self.output_projection(normalized)
+        return vocabulary.logits(normalized, self.output_projection)
+
+    def draft_vocabulary(
+        self, exit_settings: EarlyExitSettings | None, self_cache: EarlyExitCache | None, device: torch.device
+    ) -> DraftVocabulary | None:
+        """The settings' `draft_vocabulary` over the output projection, read once per call (kept in its cache)."""
+        ids = exit_settings.draft_vocabulary if exit_settings is not None else None
+        if ids is None:
+            return None
+        make = functools.partial(DraftVocabulary.of, self.output_projection, ids, device)
+        return make() if self_cache is None else self_cache.derived("draft_vocabulary", make)
 
     def exit_hidden_states(
         self,
@@ -1465,9 +1511,11 @@ class OFADecoder(nn.Module):
         query_mask: torch.Tensor | None,
         exit_state: Callable[[], torch.Tensor],
         finished: torch.Tensor | None,
+        vocabulary: DraftVocabulary | None = None,
     ) -> tuple[torch.Tensor, ExitState]:
         """Ask the decoder's controller which running rows stop after layer `count`: BoolTensor[rows] and its state.
-        Rows in `finished` [batch] stop whatever the controller says."""
+        Rows in `finished` [batch] stop whatever the controller says. With a draft `vocabulary`, the exit head's
+        logits score its tokens only."""
         state = ExitState(
             part="decoder",
             layer=count,
@@ -1478,7 +1526,7 @@ class OFADecoder(nn.Module):
             num_layers=num_layers,
             max_steps=exit_settings.max_steps,
             attention_mask=query_mask,
-            logits_fn=lambda: self.exit_logits(exit_state()[:, -1]),
+            logits_fn=lambda: self.exit_logits(exit_state()[:, -1], vocabulary),
             waiting=exits.waiting_running,
         )
         stop = checked_decision(exit_settings.decoder(state), state, exit_settings.decoder)
@@ -1574,6 +1622,7 @@ class OFADecoder(nn.Module):
         )
         layer_outputs, exit_states, state = [(hidden_states, None, None)], [], None  # (states, attentions) per layer
         asked = exit_settings.asked_layers(self.exit_points, len(layers)) if exit_settings is not None else ()
+        vocabulary = self.draft_vocabulary(exit_settings, self_cache, device) if asked else None
         for count, idx in enumerate(layers, start=1):
             if self_cache is not None:  # earlier tokens' empty slots in this layer, before it reads them
                 self.complete_layer(idx, exits.running, past_key_values, step, attention_mask, encoder_outputs)
@@ -1608,6 +1657,7 @@ class OFADecoder(nn.Module):
                 query_mask,
                 exit_state,
                 finished,
+                vocabulary,
             )
             hidden_states, self_absolute, buckets, cross_bias, query_mask = exits.stop(
                 count, stop, {"exit_state": exit_state}, {"output": hidden_states},

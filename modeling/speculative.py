@@ -42,13 +42,14 @@ ROUND_GOES_ON = 0.9
 
 @dataclass
 class Draft:
-    """One drafting step of a round, per row: the drafted token, its raw logits and processed scores (q), and the
-    layer it came from."""
+    """One drafting step of a round, per row: the drafted token, its raw logits and processed scores (q), the layer
+    it came from, and the final-LayerNorm'd state its logits project."""
 
     tokens: torch.Tensor  # [batch]
     logits: torch.Tensor  # [batch, vocab]
     scores: torch.Tensor  # [batch, vocab]
     exit_layers: torch.Tensor  # [batch]
+    hidden_states: torch.Tensor  # [batch, d]
 
 
 class RowTokens:
@@ -240,17 +241,22 @@ class SpeculativeDecoding:
 
     def draft(
         self, tokens: torch.Tensor, slots: SlotMask, controller: "CappedDraft"
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting step of every row on `tokens` [batch] under `controller`: (logits [batch, vocab], exit layers
-        [batch])."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One drafting step of every row on `tokens` [batch] under `controller`: (logits [batch, vocab] over the draft
+        vocabulary, exit layers [batch], the final-LayerNorm'd states [batch, d] the logits project)."""
         mask, positions = slots.covering(self.cache.get_seq_length() + 1)
         settings = dataclasses.replace(self.drafting, decoder=controller)
         with record_function("speculative.draft"):  # where a round's time goes, under `torch.profiler`
             out = self.decoder(
                 tokens[:, None], self.encoder_outputs, mask, self.cache, settings, position_ids=positions
             )
-            logits = out.logits if out.logits is not None else self.decoder.output_projection(out.last_hidden_state)
-        return logits[:, -1].float(), out.exit_layers.clone()
+            hidden_states = out.last_hidden_state[:, -1]
+            if out.logits is not None:
+                logits = out.logits[:, -1]
+            else:
+                vocabulary = self.decoder.draft_vocabulary(settings, self.cache.self_attention_cache, tokens.device)
+                logits = self.decoder.projected(hidden_states, vocabulary)
+        return logits.float(), out.exit_layers.clone(), hidden_states
 
     def verify(self, tokens: torch.Tensor | None, slots: SlotMask) -> None:
         """The verification of a round: every draft run through the layers it skipped, with `tokens` [batch] (the last
@@ -288,7 +294,7 @@ class SpeculativeDecoding:
         drafts, kept, caps = [], torch.zeros_like(inputs), torch.full_like(inputs, self.depth)
         for offset in range(k):
             controller = CappedDraft(self.drafting.decoder, caps)
-            logits, exit_layers = self.draft(inputs, slots, controller)
+            logits, exit_layers, hidden_states = self.draft(inputs, slots, controller)
             forced = set(controller.forced_rows())
             drafting = [row for row in drafting if row not in forced]
             if not drafting:
@@ -296,9 +302,11 @@ class SpeculativeDecoding:
             going[list(forced)] = False
             caps = torch.minimum(caps, exit_layers)
             scores = processed(self.processors, tokens, drafting, offset, logits)
+            if self.drafting.draft_vocabulary is not None:  # processors left a row none of it: draft from all tokens
+                scores = scores.masked_fill((scores == -torch.inf).all(dim=-1, keepdim=True), 0.0)
             picked = self.pick(scores)
             tokens.write(drafting, offset, picked)
-            drafts.append(Draft(picked, logits, scores, exit_layers))
+            drafts.append(Draft(picked, logits, scores, exit_layers, hidden_states))
             kept += going.long()
             if self.eos_token_ids is not None:
                 ends = (torch.isin(picked, self.eos_token_ids) & going).tolist()
@@ -335,15 +343,20 @@ class SpeculativeDecoding:
     def verified_logits(self, drafts: list[Draft], start: int) -> torch.Tensor:
         """The full model's logits [batch, k + 1, vocab] after each drafted prefix and after the last draft: the
         final-layer outputs the verification left in the cache, but for the drafts that ran every layer, which
-        had them."""
+        had them (over every token, also where drafts score a draft vocabulary only)."""
         waiting = self.cache.self_attention_cache.pending[:, start : start + len(drafts) + 1]
         verified = self.decoder.exit_logits(waiting).float()  # [batch, k + 1, vocab]
         if verified.shape[1] == len(drafts):  # the last drafts were end tokens, not fed: nothing follows them
             verified = torch.cat([verified, torch.zeros_like(verified[:, :1])], dim=1)
         if not drafts:
             return verified
-        draft_logits = torch.stack([draft.logits for draft in drafts], dim=1)
         ran_all = torch.stack([draft.exit_layers for draft in drafts], dim=1) >= self.depth
+        if self.drafting.draft_vocabulary is None:
+            draft_logits = torch.stack([draft.logits for draft in drafts], dim=1)
+        elif bool(ran_all.any()):  # read on the host: projecting onto every token is what the vocabulary saves
+            draft_logits = self.decoder.projected(torch.stack([draft.hidden_states for draft in drafts], dim=1)).float()
+        else:
+            return verified
         verified[:, :-1] = torch.where(ran_all[..., None], draft_logits, verified[:, :-1])
         return verified
 

@@ -96,3 +96,14 @@ def test_method_comparison_names_a_bad_task(capsys):
     with pytest.raises(SystemExit):
         script["parse_options"](["--tasks", "vqa,poetry"])
     assert "unknown task(s) ['poetry']" in capsys.readouterr().err
+
+
+def test_speculative_speed_at_ofa_base_size_prints_each_modes_timing_and_the_full_models_tokens(capsys):
+    script = runpy.run_path(str(EXAMPLES / "speculative_ofa_base.py"))
+    sizes = ["--batch-sizes", "1,2", "--new-tokens", "4", "--vocabulary-size", "64"]
+    report = script["main"](["--preset", "tiny", "--repeats", "1", *sizes])
+    assert json.loads(capsys.readouterr().out) == report
+    for batch in report["batches"].values():
+        for mode in ("speculative", "draft_vocabulary"):
+            assert batch[mode]["same_outputs_as_full"] and batch[mode]["acceptance_rate"] > 0.5
+    assert report["batches"]["batch_2"]["draft_vocabulary"]["size"] <= 64

@@ -402,15 +402,21 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
     saved.save_pretrained(task_model_dir)
     argv = ["calibrate", str(task_model_dir), "--exit-mode", "speculative", "--tasks", "vqa, caption", "--samples", "2",
             "--confidence-thresholds", "0.0", "--similarity-thresholds", "", "--draft-tokens", "2", "--repeats", "1",
-            "--quiet", "--json", "--write"]  # fmt: skip
+            "--quiet", "--json", "--write", "--draft-vocabulary-size", "5"]  # fmt: skip
     status, captured = main(argv), capsys.readouterr()
     report = json.loads(captured.out)
     assert list(report["tasks"]) == ["vqa", "caption"]
+    assert report["draft_vocabulary"]["size"] == 5 and set(report["draft_vocabulary"]["coverage"]) == {"vqa", "caption"}
+    assert "token_ids" not in report["draft_vocabulary"]  # saved, not printed
     written = json.loads((task_model_dir / "generation_config.json").read_text())
     if drafts_speedup > 1:
         assert status == 0 and report["chosen"]["draft_max_batch_size"] == 1 == written["draft_max_batch_size"]
+        assert len(written["draft_vocabulary"]) == 5
+        saved = json.loads((task_model_dir / "calibration_speculative.json").read_text())
+        assert saved["draft_vocabulary"]["token_ids"] == written["draft_vocabulary"]
     else:
         assert status == 2 and report["chosen"] is None and written["draft_max_batch_size"] == 8
+        assert "draft_vocabulary" not in written
         assert captured.err.strip().endswith("nothing written.")
 
 
@@ -461,6 +467,8 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
         (["calibrate", "{m}", "--exit-mode", "speculative", "--risk", "0.1"], "['--risk'] have no meaning"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--max-exit-layers", "1"], "['--max-exit-layers'] have"),
         (["calibrate", "{m}", "--tasks", "vqa", "--draft-tokens", "8"], "['--draft-tokens'] time speculative"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--draft-vocabulary-size", "9"], "['--draft-vocabulary-size'] time"),
+        (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-vocabulary-size", "0"], "must be a positive"),
         (["calibrate", "{m}", "--tasks", "vqa", "--risk", "0.1", "--tolerance", "0.5"], "give one of them"),
     ],
 )

@@ -13,6 +13,7 @@ from hf_earlyexit.draft_calibration import (
     contenders,
     drafting_grid,
     fastest_drafts,
+    frequent_tokens,
     largest_paying_batch_size,
     served_speedup,
     write_drafting_defaults,
@@ -86,6 +87,21 @@ def test_a_points_report_counts_per_round_and_against_the_full_model():
     report = point(0.2, 5.0).report()
     assert report["speedup_over_full"] == 2.0 and report["tokens_per_second"] == 20.0
     assert report["acceptance_rate"] == 0.75 and report["tokens_per_round"] == round(100 / 30, 3)
+
+
+def test_a_draft_vocabulary_is_the_references_most_frequent_tokens():
+    from transformers import AutoProcessor
+
+    from hf_earlyexit.loading import EMBEDDED_MODEL_DIR
+
+    processor = AutoProcessor.from_pretrained(EMBEDDED_MODEL_DIR)
+    targets = ["a red circle", ["a red square", "red"]]  # a sample may have several references
+    (a, red, circle), end = processor.tokenizer(" a red circle")["input_ids"][1:-1], processor.tokenizer.eos_token_id
+    assert frequent_tokens(processor, targets, 2) == sorted([red, end])  # three of each: ties go by id
+    assert frequent_tokens(processor, targets, 3)[2] == a and circle in frequent_tokens(processor, targets, 9)
+    assert len(frequent_tokens(processor, targets, 9)) == 5  # every token the references hold, the end once
+    with pytest.raises(ValueError, match="positive integer"):
+        frequent_tokens(processor, targets, 0)
 
 
 def test_the_grid_is_every_policy_threshold_and_draft_length():

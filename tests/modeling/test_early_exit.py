@@ -873,6 +873,8 @@ def test_bad_config_defaults_are_refused():
         tiny_model(kv_strategy="share")
     with pytest.raises(ValueError, match="min_exit_layer"):
         tiny_model(min_exit_layer=9)
+    with pytest.raises(ValueError, match="draft_vocabulary"):
+        tiny_model(draft_vocabulary=[3, 120])  # the tiny vocabulary ends at 119
 
 
 def test_a_user_controller_sees_the_documented_state(model):

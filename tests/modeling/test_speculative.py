@@ -131,8 +131,37 @@ def test_draft_max_batch_size_counts_decoder_rows_and_sampling_above_it_is_the_f
     assert torch.equal(out.sequences, expected) and not bool(out.drafted_tokens.any())
 
 
-@pytest.mark.parametrize("warpers", [{}, {"temperature": 0.7, "top_k": 5}])
-def test_sampling_follows_the_full_models_distribution(warpers):
+def test_a_draft_vocabulary_gives_the_full_models_tokens_and_drafts_only_its_tokens(model):
+    inputs = mixed_lengths(4, seed=6)
+    expected = full_greedy(model, inputs)
+    emitted = expected[:, 1:].flatten().unique().tolist()
+    vocabulary = [*emitted[::2], 5, 6, 7]  # half the tokens the full model emits are never drafted
+    controllers = {**CONTROLLERS, "never_ready": lambda: FixedLayerExit(DEPTH)}  # drafts that run every layer
+    for policy, controller in controllers.items():
+        out = speculative(model, inputs, controller(), num_assistant_tokens=4, draft_vocabulary=vocabulary)
+        assert torch.equal(out.sequences, expected), policy
+        drafted = out.sequences[:, 1:][(out.exit_layers > 0) & (out.exit_layers < DEPTH)]  # the accepted drafts
+        assert set(drafted.tolist()) <= set(vocabulary), policy
+    assert int(out.accepted_tokens.sum()) > 0
+
+
+def test_a_draft_vocabulary_the_processors_leave_nothing_of_still_gives_the_full_models_tokens(model):
+    inputs, vocabulary = mixed_lengths(4, seed=1), [5, 6, 7]
+    suppressed = dict(suppress_tokens=vocabulary)  # every draft scores -inf everywhere
+    expected = full_greedy(model, inputs, **suppressed)
+    out = speculative(model, inputs, FixedLayerExit(1), draft_vocabulary=vocabulary, **suppressed)
+    assert torch.equal(out.sequences, expected)
+    torch.manual_seed(3)
+    sampled = speculative(model, inputs, FixedLayerExit(1), draft_vocabulary=vocabulary, do_sample=True, **suppressed)
+    assert not set(sampled.sequences.flatten().tolist()) & set(vocabulary)
+
+
+@pytest.mark.parametrize(
+    ("warpers", "vocabulary"),
+    [({}, None), ({"temperature": 0.7, "top_k": 5}, None), ({"top_k": 5}, [2, 3, 5, 6, 8])],
+    ids=["plain", "warped", "draft_vocabulary"],
+)
+def test_sampling_follows_the_full_models_distribution(warpers, vocabulary):
     vocab = 10
     model = tiny_model(decoder_layers=3, encoder_layers=1, vocab_size=vocab, seed=3)
     inputs = {name: tensor[:1] for name, tensor in tiny_inputs(batch=1, pad_last=0).items()}
@@ -143,7 +172,14 @@ def test_sampling_follows_the_full_models_distribution(warpers):
     torch.manual_seed(0)
     for _ in range(calls):
         out = speculative(
-            model, batch, FixedLayerExit(1), do_sample=True, num_assistant_tokens=3, max_length=4, **warpers
+            model,
+            batch,
+            FixedLayerExit(1),
+            do_sample=True,
+            num_assistant_tokens=3,
+            max_length=4,
+            draft_vocabulary=vocabulary,
+            **warpers,
         )
         pairs.append(out.sequences[:, 1:3])
     assert int(out.accepted_tokens.sum()) > 0 and bool((out.accepted_tokens < out.drafted_tokens).any())
@@ -340,17 +376,24 @@ def test_stopping_criteria_that_key_on_the_rows_index_see_the_whole_batch(model)
     assert torch.equal(out.sequences, expected)
 
 
-def test_speculative_can_be_the_saved_default(model):
-    model.generation_config.exit_mode, model.generation_config.exit_threshold = "speculative", 0.5
-    try:
-        with torch.no_grad():
-            out = model.generate(**mixed_lengths(2), max_new_tokens=4, return_dict_in_generate=True)
-    finally:
-        del model.generation_config.exit_mode, model.generation_config.exit_threshold
-    assert out.drafted_tokens is not None
+def test_speculative_can_be_the_saved_default(model, tmp_path):
+    vocabulary = list(range(3, 120, 2))
     with torch.no_grad():
-        expected = model.generate(**mixed_lengths(2), max_new_tokens=4, **NO_EXIT)
-    assert torch.equal(out.sequences, expected)
+        expected = model.generate(**mixed_lengths(2), max_new_tokens=NEW_TOKENS, **NO_EXIT)
+    saved = dict(exit_mode="speculative", exit_threshold=0.5, draft_vocabulary=vocabulary)
+    for name, value in saved.items():
+        setattr(model.generation_config, name, value)
+    try:
+        model.save_pretrained(tmp_path)
+    finally:
+        for name in saved:
+            delattr(model.generation_config, name)
+    loaded = type(model).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        out = loaded.generate(**mixed_lengths(2), max_new_tokens=NEW_TOKENS, return_dict_in_generate=True)
+    assert int(out.drafted_tokens.sum()) > 0 and torch.equal(out.sequences, expected)
+    drafted = out.sequences[:, 1:][(out.exit_layers > 0) & (out.exit_layers < DEPTH)]
+    assert set(drafted.tolist()) <= set(vocabulary)
 
 
 def test_saved_draft_knobs_drive_the_drafts_and_only_them(model):
@@ -409,6 +452,11 @@ def test_a_bad_saved_draft_threshold_is_refused_in_every_mode(model):
         (dict(exit_mode="speculative", exit_threshold=0.5, draft_max_batch_size=2.5), "draft_max_batch_size"),
         (dict(exit_mode="speculative", exit_threshold=0.5, draft_max_batch_size=True), "draft_max_batch_size"),
         (dict(exit_mode="speculative", exit_threshold=0.5, num_assistant_tokens=0), "num_assistant_tokens"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, draft_vocabulary=[]), "draft_vocabulary"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, draft_vocabulary=[3, 3]), "draft_vocabulary"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, draft_vocabulary=[3, 10**6]), "draft_vocabulary"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, draft_vocabulary=[True, 4]), "draft_vocabulary"),
+        (dict(exit_mode="speculative", exit_threshold=0.5, draft_vocabulary="the cat"), "draft_vocabulary"),
         (dict(exit_mode="speculative", exit_threshold=0.5, num_assistant_tokens=2.5), "num_assistant_tokens"),
         (
             dict(exit_mode="speculative", exit_threshold=0.5, num_assistant_tokens_schedule="fast"),
