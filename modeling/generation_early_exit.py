@@ -429,6 +429,11 @@ class EarlyExitGenerationMixin(GenerationMixin):
                 return output
             none = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
             return EarlyExitGenerateOutput(**output, drafted_tokens=none, accepted_tokens=none, speculative_rounds=none)
+        if model_kwargs["past_key_values"].get_seq_length() > 0:
+            raise ValueError(
+                '`exit_mode="speculative"` decodes from an empty cache: pass the whole decoder prefix as '
+                "`decoder_input_ids`, without `past_key_values`."
+            )
         ending_rows = [type(c).__name__ for c in stopping_criteria if not isinstance(c, ENDING_EVERY_ROW)]
         if ending_rows and not pads_ended_rows(stopping_criteria):
             raise ValueError(

@@ -49,6 +49,16 @@ def check_one_of(ids: torch.Tensor | None, embeds: torch.Tensor | None, ids_name
         raise ValueError(f"Pass either `{ids_name}` or `{embeds_name}`, not both.")
 
 
+def check_positions(count: int, config: OFAEarlyExitConfig, what: str) -> None:
+    """ValueError when `count` positions are more than the relative position buckets cover (else an `IndexError` deep
+    in an embedding)."""
+    if count > config.max_position_embeddings:
+        raise ValueError(
+            f"{what} {count} positions, but this model covers at most {config.max_position_embeddings} "
+            "(`max_position_embeddings`)."
+        )
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor:
     """Positions 0, 1, ... counted from each row's first attended token: [batch or 1, length].
 
@@ -437,7 +447,8 @@ class OFADecoderLayer(OFAEncoderLayer):
             past_key_values.cross_attention_cache.update(key, value, self.layer_idx)
             past_key_values.is_updated[self.layer_idx] = True
         layer_cache = past_key_values.cross_attention_cache.layers[self.layer_idx]
-        return layer_cache.keys, layer_cache.values, rows
+        source = encoder_hidden_states.shape[1]  # a user's `StaticCache` may hold more slots than the encoder output
+        return layer_cache.keys[:, :, :source], layer_cache.values[:, :, :source], rows
 
     def forward(
         self,
@@ -665,6 +676,7 @@ class OFAEncoder(nn.Module):
         if self.type_embedding is not None:
             x = x + self.type_embedding(torch.full((1,), 0, device=x.device))  # called: hooks and adapters apply
         x = self.dropout(self.layernorm_embedding(x))
+        check_positions(x.shape[1], self.config, "The text input has")
         position_ids = position_ids_from_mask(~padding, x.shape[1], x.device)
         positions = self.pos_ln(self.embed_positions(position_ids)).expand(x.shape[0], -1, -1)
         return x, positions, position_ids, padding
@@ -1474,6 +1486,7 @@ class OFADecoder(nn.Module):
         the `position_table` when no gradient is needed and no tracer runs (it would trace the whole table in at every
         step): sliced when rows have no decoder mask or position ids (positions 0, 1, ...), gathered otherwise."""
         device = encoder_outputs.last_hidden_state.device
+        check_positions(length, self.config, "The decoder's tokens (prompt and new ones) reach")
         from_table = (
             self_cache is not None
             and not torch.is_grad_enabled()

@@ -125,7 +125,8 @@ def test_a_static_cache_reads_a_decoder_attention_mask_like_the_teacher_forced_p
         whole = model(**kwargs, decoder_attention_mask=mask, use_cache=False).logits
         encoder_outputs = model.get_encoder()(kwargs["input_ids"], kwargs["attention_mask"], kwargs["pixel_values"])
         source = encoder_outputs.last_hidden_state.shape[1]
-        cache = EncoderDecoderCache(StaticCache(model.config, max_cache_len=8), StaticCache(model.config, source))
+        # A cross-attention cache with more slots than the encoder output, as a user may size it for any input.
+        cache = EncoderDecoderCache(StaticCache(model.config, max_cache_len=8), StaticCache(model.config, source + 7))
         steps, ids = [], kwargs["decoder_input_ids"]
         for start, stop in ((0, 3), (3, 4), (4, 5)):  # a prompt of three tokens, then one token at a time
             out = model(encoder_outputs=encoder_outputs, decoder_input_ids=ids[:, start:stop], past_key_values=cache,

@@ -440,6 +440,18 @@ def test_config_validation_names_the_field(overrides, message):
         OFAEarlyExitConfig(**overrides)
 
 
+def test_inputs_longer_than_the_positions_are_refused_by_name():
+    model = tiny_model(max_position_embeddings=12, token_bucket_size=8)
+    inputs = tiny_inputs(batch=1, text_length=12)
+    with torch.no_grad():
+        model.generate(**inputs, max_new_tokens=12, min_new_tokens=12)  # fed: the start and 11 new, 12 positions
+        with pytest.raises(ValueError, match="decoder's tokens .* reach 13 positions.*max_position_embeddings"):
+            model.generate(**inputs, max_new_tokens=13, min_new_tokens=13)
+        long = tiny_inputs(batch=1, text_length=13)
+        with pytest.raises(ValueError, match="text input has 13 positions.*max_position_embeddings"):
+            model.generate(**long, max_new_tokens=2)
+
+
 def test_unknown_preset_is_an_error():
     with pytest.raises(ValueError, match="preset"):
         OFAEarlyExitConfig.from_preset("gigantic")

@@ -77,6 +77,17 @@ def test_rows_that_finish_early_stop_where_the_full_model_does(model):
     assert torch.equal(out.sequences, expected)
 
 
+def test_speculative_mode_continues_from_the_sequences_not_from_a_cache(model):
+    inputs = mixed_lengths(2, seed=2)
+    with torch.no_grad():
+        first = model.generate(**inputs, max_new_tokens=4, return_dict_in_generate=True, **NO_EXIT)
+    prefix = dict(decoder_input_ids=first.sequences, decoder_attention_mask=torch.ones_like(first.sequences))
+    out = speculative(model, {**inputs, **prefix}, FixedLayerExit(1))
+    assert torch.equal(out.sequences, full_greedy(model, {**inputs, **prefix}))
+    with pytest.raises(ValueError, match="empty cache"):
+        speculative(model, {**inputs, **prefix, "past_key_values": first.past_key_values}, FixedLayerExit(1))
+
+
 def test_the_cache_holds_the_full_models_keys_and_values_of_the_accepted_tokens(model):
     inputs = mixed_lengths(1, seed=5)
     out = speculative(model, inputs, CONTROLLERS["fixed"](), num_assistant_tokens=3)
