@@ -42,8 +42,10 @@ def read_benchmark(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-# The knobs that shape the lossy exits a record measured (not speculative mode's drafts, nor their batch bound).
-LOSSY = [name for name in EXIT_KNOBS if name not in ("kv_strategy", "draft_max_batch_size", *DRAFT_KNOBS)]
+# Speculative mode's own knobs: its drafts, their batch bound and their vocabulary, which lossy exits never read.
+DRAFTING = ("draft_max_batch_size", "draft_vocabulary", *DRAFT_KNOBS)
+# The knobs that shape the lossy exits a record measured.
+LOSSY = [name for name in EXIT_KNOBS if name not in ("kv_strategy", *DRAFTING)]
 
 
 def record_settings(records: list[dict[str, Any]], defaults: dict[str, Any] | None = None) -> list[str]:
@@ -51,7 +53,7 @@ def record_settings(records: list[dict[str, Any]], defaults: dict[str, Any] | No
     record's or from the model's saved generation `defaults` (the drafts' knobs do not reach them); a record measured
     with other settings than those defaults says so, since the card calls them the model's."""
     settings = [{**EXIT_KNOBS, **record["early_exit"].get("settings", {})} for record in records]
-    shown = [name for name in EXIT_KNOBS if name not in ("kv_strategy", *DRAFT_KNOBS)]
+    shown = [name for name in EXIT_KNOBS if name not in ("kv_strategy", *DRAFTING)]
     saved = None if defaults is None else {name: defaults.get(name, EXIT_KNOBS[name]) for name in shown}
     compared = settings if saved is None else [*settings, saved]
     differing = [name for name in shown if len({repr(s[name]) for s in compared}) > 1]
@@ -129,6 +131,8 @@ def render_model_card(
         license=license,
     )
     knobs = {name: generation_config[name] for name in EXIT_KNOBS if generation_config.get(name) is not None}
+    if "draft_vocabulary" in knobs:  # thousands of ids: the card says how many
+        knobs["draft_vocabulary"] = f"{len(knobs['draft_vocabulary'])} token ids"
     body = Template(resources.files(__name__).joinpath(CARD_TEMPLATE).read_text())
     architecture = (
         f"{config.get('encoder_layers')} encoder and {config.get('decoder_layers')} decoder layers, "

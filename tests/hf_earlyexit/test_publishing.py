@@ -13,7 +13,7 @@ import hf_earlyexit
 from hf_earlyexit import publishing
 from hf_earlyexit.calibration import write_generation_defaults
 from hf_earlyexit.cli import main
-from hf_earlyexit.model_cards import guarantee, measured_table, read_benchmark
+from hf_earlyexit.model_cards import guarantee, measured_table, read_benchmark, render_model_card
 from hf_earlyexit.publishing import PublishError, assemble, publish, validate_folder
 from hf_earlyexit.training import small_model_and_processor
 
@@ -124,6 +124,14 @@ def test_a_record_measured_with_other_settings_than_the_saved_defaults_says_so()
     recalibrated = {**KNOBS, "exit_threshold": 0.6}
     rows = measured_table([RECORD], recalibrated).splitlines()[2:]
     assert rows[0].endswith("| propagate; exit_threshold=0.9 (not the saved defaults) |")
+
+
+def test_a_draft_vocabulary_is_counted_in_the_card_and_never_marks_a_lossy_record_stale():
+    drafting = {**KNOBS, "draft_vocabulary": list(range(3, 403))}
+    rows = measured_table([RECORD], drafting).splitlines()[2:]
+    assert rows[0].endswith("| propagate |")  # lossy exits never read it
+    card = render_model_card(REPO_ID, {}, drafting, "")
+    assert '"draft_vocabulary": "400 token ids"' in card and "402" not in card
 
 
 def test_a_record_without_a_quality_shows_a_dash_not_a_crash():
