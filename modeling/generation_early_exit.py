@@ -372,11 +372,16 @@ class EarlyExitGenerationMixin(GenerationMixin):
                 self.config, source, max_steps, request_count(inputs, kwargs), expand, **knobs
             )
         check_decoding(settings, source, kwargs)
-        if settings.exits and kwargs.get("use_cache") is False:
-            raise ValueError("Early exit in `generate` needs `use_cache=True` (skipped layers live in the cache).")
+        if settings.decoder is not None and kwargs.get("use_cache") is False:
+            raise ValueError(
+                "Decoder exits in `generate` need `use_cache=True` (skipped layers live in the cache): drop "
+                "`use_cache=False`, or turn the decoder's exits off (`exit_threshold=None`; they may come from the "
+                "model's saved defaults)."
+            )
         values = {}
-        # A config's `use_cache=False` is a training setting (the Trainer writes it); exits need the cache.
-        if settings.exits:
+        # A config's `use_cache=False` is a training setting (the Trainer writes it); exits decode with the cache,
+        # unless the call itself asks otherwise (encoder exits alone do not need it).
+        if settings.exits and kwargs.get("use_cache") is not False:
             values["use_cache"] = True
         if (
             settings.exit_mode == "speculative"

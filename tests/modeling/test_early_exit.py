@@ -951,6 +951,23 @@ def test_a_config_saying_use_cache_false_still_exits_with_the_cache(model):
     assert torch.equal(out.exit_layers, reference.exit_layers)
 
 
+def test_encoder_exits_alone_decode_without_the_cache_and_saved_decoder_exits_refuse_it_by_name():
+    model = tiny_model(decompose_encoder_modalities=True)
+    inputs, knobs = batch_of(2), dict(encoder_image_exit_threshold=0.0, max_new_tokens=4, return_dict_in_generate=True)
+    with torch.no_grad():
+        cached = model.generate(**inputs, **knobs)
+        uncached = model.generate(**inputs, **knobs, use_cache=False)
+    assert torch.equal(uncached.sequences, cached.sequences)
+    assert torch.equal(uncached.encoder_exit_layers, cached.encoder_exit_layers)
+    assert int(cached.encoder_exit_layers[:, 0].max()) == 1  # the image stream exited
+    model.generation_config.exit_threshold = 0.5  # a saved decoder default
+    try:
+        with pytest.raises(ValueError, match="use_cache=False.*exit_threshold=None"):
+            model.generate(**inputs, max_new_tokens=4, use_cache=False)
+    finally:
+        del model.generation_config.exit_threshold
+
+
 def test_concurrent_generate_calls_with_different_knobs_equal_serial_ones():
     import threading
 
