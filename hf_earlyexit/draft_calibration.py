@@ -326,8 +326,9 @@ def calibrate_drafts(
     Without `batch_sizes`, the choice's `draft_max_batch_size` is `batch_size`: drafts are known to pay up to there.
 
     vocabulary_size: every setting drafts from the `frequent_tokens` of this size in the tasks' references on
-        `split`; the report's `draft_vocabulary` gives their ids, how many, and the share of the references' tokens
-        they cover per task, and the choice is saved with them. None: drafts score every token.
+        `split`; the report's `draft_vocabulary` gives their ids, how many (fewer than requested when the references
+        hold fewer distinct tokens), and the share of the references' tokens they cover per task, and the choice is
+        saved with them. None: drafts score every token.
 
     write_to: the model's folder, where the choice is saved (`save_drafting_calibration`); ValueError, and nothing
         written, when no setting was at least as fast as the full model on every task.
@@ -348,7 +349,9 @@ def calibrate_drafts(
     vocabulary = None
     if vocabulary_size is not None:
         vocabulary = frequent_tokens(processor, [t for task in inputs.values() for t in task.targets], vocabulary_size)
-        report["draft_vocabulary"] = vocabulary_report(processor, inputs.values(), vocabulary)
+        # Its "size" falls short of "requested" where the references hold fewer distinct tokens.
+        summary = vocabulary_report(processor, inputs.values(), vocabulary)
+        report["draft_vocabulary"] = {"requested": vocabulary_size, **summary}
     timings = {}
     for name in tasks:
         timings[name] = time_drafts(model, processor, inputs[name], grid, repeats, progress, vocabulary)

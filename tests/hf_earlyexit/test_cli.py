@@ -406,7 +406,8 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
     status, captured = main(argv), capsys.readouterr()
     report = json.loads(captured.out)
     assert list(report["tasks"]) == ["vqa", "caption"]
-    assert report["draft_vocabulary"]["size"] == 5 and set(report["draft_vocabulary"]["coverage"]) == {"vqa", "caption"}
+    assert report["draft_vocabulary"]["size"] == 5 == report["draft_vocabulary"]["requested"]
+    assert set(report["draft_vocabulary"]["coverage"]) == {"vqa", "caption"}
     assert "token_ids" not in report["draft_vocabulary"]  # saved, not printed
     written = json.loads((task_model_dir / "generation_config.json").read_text())
     if drafts_speedup > 1:
