@@ -105,6 +105,7 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             )
         generation_config = self.model.generation_config  # read as saved: `generate` checks it against the model
         saved = non_default_knobs({name: getattr(generation_config, name, value) for name, value in EXIT_KNOBS.items()})
+        saved.pop("draft_vocabulary", None)  # counted in the data's references, not chosen for the weights
         if saved:  # e.g. a calibration's thresholds, which training moves away from
             warnings.warn(
                 f"The model's saved exit defaults {saved} were chosen for its weights before this training: "
