@@ -43,7 +43,7 @@ from .measures import (
 )
 from .modeling.configuration_ofa import OFAEarlyExitConfig
 from .modeling.exit_controllers import ExitController, ExitState, FixedLayerExit, checked_decision
-from .modeling.exit_knobs import KV_STRATEGIES, NO_EXIT, ROW_EXIT_PLANS, SPECULATIVE_KNOBS
+from .modeling.exit_knobs import KV_STRATEGIES, NO_EXIT, ROW_EXIT_PLANS, SPECULATIVE_KNOBS, shown_knobs
 from .modeling.generation_early_exit import EarlyExitSettings
 from .modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration
 
@@ -575,7 +575,7 @@ def task_benchmark(
     early["expected_time_reduction_flops"] = round(reduction(runs["early_exit"], flops), 4)
     early["expected_time_reduction_per_row"] = round(reduction(runs["early_exit"], costs, 1), 4)
     early["parameter_speedup"] = round(parameter_speedup(model, runs["early_exit"].decoder_exit_layers), 4)
-    early["settings"] = knobs
+    early["settings"] = shown_knobs(knobs)
     report = {
         "task": inputs.task.name,
         "metric": inputs.task.quality_key,
@@ -606,7 +606,7 @@ def task_benchmark(
         report["speculative"] = {**side("speculative"), **speculative_report(runs, seconds)}
         if round_shares:
             report["speculative"]["round_time_shares"] = round_time_shares(model, processor, inputs, speculative)
-        report["speculative"]["settings"] = speculative
+        report["speculative"]["settings"] = shown_knobs(speculative)
     if compiled_full:
         report["full_compiled"] = {
             **side("full_compiled"),

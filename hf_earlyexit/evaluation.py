@@ -25,6 +25,7 @@ from .modeling.exit_knobs import (
     drafts_with_exit_knobs,
     non_default_knobs,
     resolve_knobs,
+    shown_knobs,
 )
 from .modeling.generation_early_exit import EarlyExitSettings
 from .sharding import shared_map
@@ -261,7 +262,7 @@ def evaluate_task(
         "split": split,
         "samples": inputs.samples,
         "batch_size": batch_size,
-        "settings": knobs or {},
+        "settings": shown_knobs(knobs or {}),
         "scores": scores,
         "expected_time_reduction_flops": reduction(batch_size),
         "expected_time_reduction_flops_per_row": reduction(1),

@@ -12,7 +12,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from ..modeling.exit_knobs import DRAFT_KNOBS, EXIT_KNOBS
+from ..modeling.exit_knobs import DRAFT_KNOBS, EXIT_KNOBS, shown_knobs
 
 CARD_TEMPLATE = "ofa_early_exit.md"
 TAGS = ["early-exit", "ofa", "vision-language", "hf-earlyexit", "custom_code"]
@@ -130,9 +130,9 @@ def render_model_card(
         base_model=base_model,
         license=license,
     )
-    knobs = {name: generation_config[name] for name in EXIT_KNOBS if generation_config.get(name) is not None}
-    if "draft_vocabulary" in knobs:  # thousands of ids: the card says how many
-        knobs["draft_vocabulary"] = f"{len(knobs['draft_vocabulary'])} token ids"
+    knobs = shown_knobs(
+        {name: generation_config[name] for name in EXIT_KNOBS if generation_config.get(name) is not None}
+    )
     body = Template(resources.files(__name__).joinpath(CARD_TEMPLATE).read_text())
     architecture = (
         f"{config.get('encoder_layers')} encoder and {config.get('decoder_layers')} decoder layers, "

@@ -223,6 +223,12 @@ def drafts_with_exit_knobs(given: dict[str, Any]) -> bool:
     return bool({"exit_policy", "exit_threshold"} & set(given)) and not set(DRAFT_KNOBS) & set(given)
 
 
+def shown_knobs(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` as a report or a model card shows them: a draft vocabulary's ids (thousands) as their count."""
+    vocabulary = values.get("draft_vocabulary")
+    return values if vocabulary is None else {**values, "draft_vocabulary": f"{len(vocabulary)} token ids"}
+
+
 def non_default_knobs(values: dict[str, Any]) -> dict[str, Any]:
     """The knobs of `values` that differ from their defaults: what a report or a saved setting needs to name."""
     return {name: value for name, value in values.items() if value != EXIT_KNOBS[name]}
@@ -258,4 +264,5 @@ __all__ = [
     "drafts_with_exit_knobs",
     "non_default_knobs",
     "resolve_knobs",
+    "shown_knobs",
 ]

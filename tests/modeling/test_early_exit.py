@@ -868,6 +868,14 @@ def test_bad_knobs_raise_value_errors_naming_them(model, knobs, message):
         model.generate(**batch_of(4), max_new_tokens=3, **knobs)
 
 
+def test_reports_show_a_draft_vocabulary_by_its_size():
+    from hf_earlyexit.modeling.exit_knobs import shown_knobs
+
+    knobs = {"exit_mode": "speculative", "draft_vocabulary": list(range(3, 4099))}
+    assert shown_knobs(knobs) == {"exit_mode": "speculative", "draft_vocabulary": "4096 token ids"}
+    assert shown_knobs({"exit_threshold": 0.5}) == {"exit_threshold": 0.5}
+
+
 def test_bad_config_defaults_are_refused():
     with pytest.raises(ValueError, match="kv_strategy"):
         tiny_model(kv_strategy="share")
