@@ -475,7 +475,8 @@ class OneLineErrors(argparse.ArgumentParser):
     """argparse with a bad option reported as every other error is: one line, status 2 (not usage, then the error)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"hf-earlyexit: error: {self.prog}: {message} (see {self.prog} --help)\n")
+        command = self.prog.removeprefix("hf-earlyexit").strip()  # a subcommand's parser names it
+        self.exit(2, f"hf-earlyexit: error: {f'{command}: ' if command else ''}{message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -511,3 +511,14 @@ def test_counts_below_one_are_refused_before_anything_runs(capsys, argv):
     err = capsys.readouterr().err  # one line, as every other error
     assert err.startswith("hf-earlyexit: error: ") and len(err.strip().splitlines()) == 1
     assert f"argument {argv[-2]}: must be a positive integer, got '{argv[-1]}'" in err
+
+
+def test_argparse_errors_name_the_command_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--forced-exit", "1", "--quiet"])  # reported by the top-level parser
+    assert capsys.readouterr().err == (
+        "hf-earlyexit: error: unrecognized arguments: --quiet (see hf-earlyexit --help)\n"
+    )
+    with pytest.raises(SystemExit):
+        main(["bench", "--task", "poems"])  # reported by the subcommand's parser
+    assert capsys.readouterr().err.startswith("hf-earlyexit: error: bench: argument --task: invalid choice")
