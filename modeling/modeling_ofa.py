@@ -447,8 +447,10 @@ class OFADecoderLayer(OFAEncoderLayer):
             past_key_values.cross_attention_cache.update(key, value, self.layer_idx)
             past_key_values.is_updated[self.layer_idx] = True
         layer_cache = past_key_values.cross_attention_cache.layers[self.layer_idx]
-        source = encoder_hidden_states.shape[1]  # a user's `StaticCache` may hold more slots than the encoder output
-        return layer_cache.keys[:, :, :source], layer_cache.values[:, :, :source], rows
+        keys, values, source = layer_cache.keys, layer_cache.values, encoder_hidden_states.shape[1]
+        if keys.shape[2] != source:  # a user's `StaticCache` may hold more slots than the encoder output
+            keys, values = keys[:, :, :source], values[:, :, :source]
+        return keys, values, rows
 
     def forward(
         self,
