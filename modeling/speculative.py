@@ -302,7 +302,8 @@ class SpeculativeDecoding:
             going[list(forced)] = False
             caps = torch.minimum(caps, exit_layers)
             scores = processed(self.processors, tokens, drafting, offset, logits)
-            if self.drafting.draft_vocabulary is not None:  # processors left a row none of it: draft from all tokens
+            if self.do_sample and self.drafting.draft_vocabulary is not None:
+                # A row the processors left none of the vocabulary samples a uniform q (greedy's argmax needs no q).
                 scores = scores.masked_fill((scores == -torch.inf).all(dim=-1, keepdim=True), 0.0)
             picked = self.pick(scores)
             tokens.write(drafting, offset, picked)
