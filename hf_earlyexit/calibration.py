@@ -21,7 +21,7 @@ from .benchmark import measure_part_costs
 from .evaluation import Asks, TaskInputs, risk_losses, run_task, score, task_inputs
 from .measures import PartCosts, encoder_streams, expected_time_reduction
 from .modeling.exit_controllers import SimilarityExit, make_controller
-from .modeling.exit_knobs import DRAFT_KNOBS, ENCODER_PARTS, EXIT_KNOBS
+from .modeling.exit_knobs import DRAFTING_KNOBS, ENCODER_PARTS, EXIT_KNOBS
 from .modeling.generation_early_exit import EarlyExitSettings
 from .risk_control import LossKind, check_risk, fixed_sequence_test, samples_needed
 from .sharding import from_main_process, is_main_process
@@ -241,9 +241,7 @@ def with_encoder_min_exit_layer(settings: dict[str, Any], points: Sequence[Opera
 
 # The knobs of the lossy mode at their defaults; speculative mode's own (`exit_mode`, the drafts) are left as saved.
 LOSSY_DEFAULTS = {
-    name: value
-    for name, value in EXIT_KNOBS.items()
-    if name not in ("exit_controller", "exit_mode", "draft_max_batch_size", "draft_vocabulary", *DRAFT_KNOBS)
+    name: value for name, value in EXIT_KNOBS.items() if name not in ("exit_controller", "exit_mode", *DRAFTING_KNOBS)
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from ..modeling.exit_knobs import DRAFT_KNOBS, EXIT_KNOBS, shown_knobs
+from ..modeling.exit_knobs import DRAFTING_KNOBS, EXIT_KNOBS, shown_knobs
 
 CARD_TEMPLATE = "ofa_early_exit.md"
 TAGS = ["early-exit", "ofa", "vision-language", "hf-earlyexit", "custom_code"]
@@ -42,10 +42,8 @@ def read_benchmark(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-# Speculative mode's own knobs: its drafts, their batch bound and their vocabulary, which lossy exits never read.
-DRAFTING = ("draft_max_batch_size", "draft_vocabulary", *DRAFT_KNOBS)
-# The knobs that shape the lossy exits a record measured.
-LOSSY = [name for name in EXIT_KNOBS if name not in ("kv_strategy", *DRAFTING)]
+# The knobs that shape the lossy exits a record measured (speculative mode's own never reach them).
+LOSSY = [name for name in EXIT_KNOBS if name not in ("kv_strategy", *DRAFTING_KNOBS)]
 
 
 def record_settings(records: list[dict[str, Any]], defaults: dict[str, Any] | None = None) -> list[str]:
@@ -53,7 +51,7 @@ def record_settings(records: list[dict[str, Any]], defaults: dict[str, Any] | No
     record's or from the model's saved generation `defaults` (the drafts' knobs do not reach them); a record measured
     with other settings than those defaults says so, since the card calls them the model's."""
     settings = [{**EXIT_KNOBS, **record["early_exit"].get("settings", {})} for record in records]
-    shown = [name for name in EXIT_KNOBS if name not in ("kv_strategy", *DRAFTING)]
+    shown = [name for name in EXIT_KNOBS if name not in ("kv_strategy", *DRAFTING_KNOBS)]
     saved = None if defaults is None else {name: defaults.get(name, EXIT_KNOBS[name]) for name in shown}
     compared = settings if saved is None else [*settings, saved]
     differing = [name for name in shown if len({repr(s[name]) for s in compared}) > 1]

@@ -67,6 +67,8 @@ SPECULATIVE_KNOBS: dict[str, Any] = {
 
 # Speculative mode's own decoder exit; None: the decoder's (`exit_policy`, `exit_threshold`).
 DRAFT_KNOBS: tuple[str, ...] = ("draft_exit_policy", "draft_exit_threshold")
+# The knobs only speculative mode reads: its drafts' exit, the batch size it drafts up to, and their vocabulary.
+DRAFTING_KNOBS: tuple[str, ...] = (*DRAFT_KNOBS, "draft_max_batch_size", "draft_vocabulary")
 
 # Named choices: knob -> its choices.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -236,6 +238,7 @@ def non_default_knobs(values: dict[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "CHOICES",
+    "DRAFTING_KNOBS",
     "DRAFT_KNOBS",
     "ENCODER_PARTS",
     "EXIT_KNOBS",
