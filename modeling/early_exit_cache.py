@@ -378,6 +378,29 @@ class EarlyExitCache(DynamicCache):
             step.exit_outputs = step.exit_outputs[:, : stop - step.slots.start]
             step.slots = slice(step.slots.start, stop)
 
+    def close_holes(self, real: torch.Tensor) -> None:
+        """Keep each row's real slots (`real` [batch, T], 1 = real) in their order at its first positions, as a cache
+        without holes holds them; the cache shrinks to the most real slots a row has, and a row with fewer ends in
+        zeros. Speculative decoding leaves holes where rows rejected drafts."""
+        self.fill_skipped()  # recorded steps address slots by position: fill them before the positions move
+        counts = real.sum(dim=-1)
+        length = int(counts.max())
+        order = torch.sort((real == 0).to(torch.int8), dim=-1, stable=True).indices[:, :length]  # [batch, length]
+        valid = torch.arange(length, device=order.device)[None] < counts[:, None]
+
+        def kept(tensor: torch.Tensor, dim: int) -> torch.Tensor:  # `order` along `dim`, zeros where not `valid`
+            shape = (*order.shape, *[1] * (tensor.dim() - 2))
+            index, keep = order.reshape(shape).movedim(1, dim), valid.reshape(shape).movedim(1, dim)
+            size = list(tensor.shape)
+            size[dim] = length
+            return tensor.gather(dim, index.expand(size)) * keep.expand(size).to(tensor.dtype)
+
+        for layer in self.layers:
+            layer.keys, layer.values = kept(layer.keys, 2), kept(layer.values, 2)
+        if self.frontier is not None:
+            self.frontier = torch.where(valid, kept(self.frontier, 1), self.num_layers)
+            self.pending = kept(self.pending, 1)
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))

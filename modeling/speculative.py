@@ -19,7 +19,9 @@ the other rows (which stand at other lengths) sees what the full model's loop wo
 
 Rows advance independently. A round opens k + 1 slots in every row; the slots of a row's rejected drafts become holes,
 masked in the decoder's attention mask and skipped by its position ids (which count each row's real tokens). Holes
-that every row has at the end are cropped, so at batch 1 nothing of a rejected draft remains.
+that every row has at the end of a round are cropped, so at batch 1 nothing of a rejected draft remains; at the end of
+the call, each row's real slots move to its first positions, so that the returned cache is laid out as the full
+model's (past a row's end, zeros where the full model has the K/V of the pad tokens it feeds).
 """
 
 import dataclasses
@@ -474,6 +476,11 @@ def speculative_generate(
         generating = still
     if streamer is not None:
         streamer.end()
+    if slots.mask is not None:  # the cache `generate` returns holds each row's tokens in order, as the full model's
+        kept = slots.mask.clone()
+        kept[:, : input_ids.shape[1]] = 1  # a padded prompt's pads keep their slots, as in the full model's cache
+        if not bool(kept.all()):
+            decoding.cache.self_attention_cache.close_holes(kept)
     return log.output(tokens.new_tokens(pad))
 
 

@@ -188,6 +188,24 @@ def test_cropping_the_cache_forgets_the_skipped_slots_it_removes(model):
     assert ours.layers[DEPTH - 1].keys.shape[2] == 4 and bool(ours.layers[DEPTH - 1].keys.abs().sum(-1).all())
 
 
+def test_closing_holes_moves_each_rows_real_slots_first_after_filling_what_was_skipped(model):
+    settings = EarlyExitSettings(decoder=FixedLayerExit(1), kv_strategy="propagate")
+    _, cache = decode_with_cache(model, batch_of(2), settings)
+    ours = cache.self_attention_cache
+    ours.fill_skipped()
+    filled = [(layer.keys.clone(), layer.values.clone()) for layer in ours.layers]
+    _, cache = decode_with_cache(model, batch_of(2), settings)
+    ours = cache.self_attention_cache
+    assert ours.skipped  # recorded, not filled yet
+    real = torch.tensor([[1, 0, 1, 1, 0, 1], [1, 1, 1, 0, 0, 0]])
+    ours.close_holes(real)
+    assert ours.skipped == [] and ours.get_seq_length() == 4
+    for layer, (keys, values) in zip(ours.layers, filled, strict=True):
+        for tensor, before in ((layer.keys, keys), (layer.values, values)):
+            assert torch.equal(tensor[0], before[0, :, [0, 2, 3, 5]])
+            assert torch.equal(tensor[1, :, :3], before[1, :, :3]) and not bool(tensor[1, :, 3].any())
+
+
 def test_the_cache_grows_in_place_and_holds_what_a_dynamic_cache_would_through_batch_operations(model):
     """A step's slots are views of a buffer with room (no copy of the whole cache per layer and step), and what the
     cache holds after crops, beam reorderings and row selections is what concatenation would hold."""

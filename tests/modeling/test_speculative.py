@@ -88,18 +88,29 @@ def test_speculative_mode_continues_from_the_sequences_not_from_a_cache(model):
         speculative(model, {**inputs, **prefix, "past_key_values": first.past_key_values}, FixedLayerExit(1))
 
 
-def test_the_cache_holds_the_full_models_keys_and_values_of_the_accepted_tokens(model):
-    inputs = mixed_lengths(1, seed=5)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_cache_holds_the_full_models_keys_and_values_of_the_accepted_tokens(model, batch):
+    inputs = mixed_lengths(batch, seed=5)
     out = speculative(model, inputs, CONTROLLERS["fixed"](), num_assistant_tokens=3)
-    assert 0 < int(out.accepted_tokens) < int(out.drafted_tokens)  # some drafts were rejected
+    assert bool(((0 < out.accepted_tokens) & (out.accepted_tokens < out.drafted_tokens)).any())  # drafts rejected
     with torch.no_grad():
         reference = model(**inputs, decoder_input_ids=out.sequences[:, :-1], use_cache=True)
     cache, expected = out.past_key_values.self_attention_cache, reference.past_key_values.self_attention_cache
-    assert cache.get_seq_length() == out.sequences.shape[1] - 1  # nothing of a rejected draft remains
+    # Nothing of a rejected draft remains: each row's tokens but its newest, in order, as in the full model's cache.
+    assert cache.get_seq_length() == out.sequences.shape[1] - 1
     assert bool((cache.frontier == DEPTH).all())
-    for ours, theirs in zip(cache.layers, expected.layers, strict=True):
-        torch.testing.assert_close(ours.keys, theirs.keys, rtol=0, atol=1e-5)
-        torch.testing.assert_close(ours.values, theirs.values, rtol=0, atol=1e-5)
+    for row, cached in enumerate((out.exit_layers > 0).sum(dim=1).tolist()):  # the start token, new tokens, - 1
+        for ours, theirs in zip(cache.layers, expected.layers, strict=True):
+            torch.testing.assert_close(ours.keys[row, :, :cached], theirs.keys[row, :, :cached], rtol=0, atol=1e-5)
+            torch.testing.assert_close(ours.values[row, :, :cached], theirs.values[row, :, :cached], rtol=0, atol=1e-5)
+
+
+def test_the_full_model_continues_from_the_returned_cache(model):
+    inputs = mixed_lengths(4, seed=5)
+    out = speculative(model, inputs, CONTROLLERS["fixed"](), num_assistant_tokens=3, eos_token_id=None)
+    prefix = dict(decoder_input_ids=out.sequences, decoder_attention_mask=torch.ones_like(out.sequences))
+    continued = full_greedy(model, {**inputs, **prefix, "past_key_values": out.past_key_values})
+    assert torch.equal(continued, full_greedy(model, {**inputs, **prefix}))
 
 
 def test_exit_layers_and_acceptance_statistics(model):
