@@ -360,6 +360,7 @@ class EarlyExitCache(DynamicCache):
         self.waiting_layers = set()
         self.skipped = []
         self._rooms = {}
+        self._derived = {}  # a reset cache may serve weights changed since
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

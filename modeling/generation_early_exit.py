@@ -421,9 +421,12 @@ class EarlyExitGenerationMixin(GenerationMixin):
                 model_kwargs.get("exit_layer_log"),
                 cache if isinstance(cache, EarlyExitCache) else None,
             )
-            return super()._sample(
+            output = super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
             )
+            if isinstance(cache, EarlyExitCache):  # the loop's record: a later call or `forward` starts with none ended
+                cache.ended = None
+            return output
         if settings.draft_max_batch_size is not None and input_ids.shape[0] > settings.draft_max_batch_size:
             # Too many rows for drafts to pay: the full model decodes, which gives the output drafts would.
             model_kwargs["exit_settings"] = dataclasses.replace(settings, decoder=None, exit_mode="exit")

@@ -206,6 +206,44 @@ def test_closing_holes_moves_each_rows_real_slots_first_after_filling_what_was_s
             assert torch.equal(tensor[1, :, :3], before[1, :, :3]) and not bool(tensor[1, :, 3].any())
 
 
+def test_a_manual_loop_continues_from_a_generate_cache_as_generate_does(model):
+    """The rows `generate`'s loop ended (all of them, at its last step) are its own record: a `forward` loop from
+    the cache it returns decodes every row, with the exits its controller picks."""
+    inputs, settings = batch_of(2), EarlyExitSettings(decoder=mixed_exits(), kv_strategy="recompute")
+    kwargs = dict(exit_controller=mixed_exits(), kv_strategy="recompute", eos_token_id=2, forced_eos_token_id=None)
+    with torch.no_grad():
+        first = model.generate(**inputs, max_new_tokens=3, return_dict_in_generate=True, **kwargs)
+        tokens, cache, layers = first.sequences, first.past_key_values, []
+        for _ in range(3):
+            mask = torch.ones_like(tokens)
+            out = model(**inputs, decoder_input_ids=tokens[:, -1:], decoder_attention_mask=mask, past_key_values=cache,
+                        exit_settings=settings, use_cache=True)  # fmt: skip
+            cache, tokens = out.past_key_values, torch.cat([tokens, out.logits[:, -1].argmax(-1, keepdim=True)], 1)
+            layers.append(out.exit_layers)
+    with torch.no_grad():
+        first = model.generate(**inputs, max_new_tokens=3, return_dict_in_generate=True, **kwargs)
+        ones = torch.ones_like(first.sequences)
+        continued = model.generate(**inputs, decoder_input_ids=first.sequences, decoder_attention_mask=ones,
+                                   past_key_values=first.past_key_values, max_new_tokens=3,
+                                   return_dict_in_generate=True, **kwargs)  # fmt: skip
+    assert torch.equal(tokens, continued.sequences)
+    assert torch.equal(torch.stack(layers, dim=1), continued.exit_layers)
+
+
+def test_a_reset_cache_serves_weights_changed_since(model):
+    inputs, kwargs = batch_of(2), dict(max_new_tokens=NEW_TOKENS, eos_token_id=None, **NO_EXIT)
+    changed = tiny_model(decoder_layers=DEPTH, encoder_layers=3)
+    changed.load_state_dict(model.state_dict())
+    cache = new_cache(changed.config, None)
+    with torch.no_grad():
+        changed.generate(**inputs, past_key_values=cache, **kwargs)
+        changed.decoder.self_pos_q_linear.weight.mul_(3.0)  # a weight update between calls
+        cache.reset()
+        assert torch.equal(
+            changed.generate(**inputs, past_key_values=cache, **kwargs), changed.generate(**inputs, **kwargs)
+        )
+
+
 def test_the_cache_grows_in_place_and_holds_what_a_dynamic_cache_would_through_batch_operations(model):
     """A step's slots are views of a buffer with room (no copy of the whole cache per layer and step), and what the
     cache holds after crops, beam reorderings and row selections is what concatenation would hold."""
