@@ -379,10 +379,12 @@ class EarlyExitCache(DynamicCache):
             step.exit_outputs = step.exit_outputs[:, : stop - step.slots.start]
             step.slots = slice(step.slots.start, stop)
 
-    def close_holes(self, real: torch.Tensor) -> None:
+    def close_holes(self, real: torch.Tensor, inputs: torch.Tensor | None = None) -> None:
         """Keep each row's real slots (`real` [batch, T], 1 = real) in their order at its first positions, as a cache
-        without holes holds them; the cache shrinks to the most real slots a row has, and a row with fewer ends in
-        zeros. Speculative decoding leaves holes where rows rejected drafts."""
+        without holes holds them; the cache shrinks to the most real slots a row has. The slots after a row's last
+        real one hold zeros, or with `recompute` wait for the first layer with `inputs` [batch, T', d] (the first
+        layer's inputs of the tokens there), so that the next call that reads them runs the layers on them first.
+        Speculative decoding leaves holes where rows rejected drafts."""
         self.fill_skipped()  # recorded steps address slots by position: fill them before the positions move
         counts = real.sum(dim=-1)
         length = int(counts.max())
@@ -398,9 +400,14 @@ class EarlyExitCache(DynamicCache):
 
         for layer in self.layers:
             layer.keys, layer.values = kept(layer.keys, 2), kept(layer.values, 2)
-        if self.frontier is not None:
-            self.frontier = torch.where(valid, kept(self.frontier, 1), self.num_layers)
-            self.pending = kept(self.pending, 1)
+        if self.frontier is None:
+            return
+        waits = inputs is not None and not bool(valid.all())
+        self.frontier = torch.where(valid, kept(self.frontier, 1), 0 if waits else self.num_layers)
+        self.pending = kept(self.pending, 1)
+        if waits:
+            self.pending = torch.where(valid[..., None], self.pending, inputs[:, :length].to(self.pending.dtype))
+            self.waiting_layers.add(0)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)

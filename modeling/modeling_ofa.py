@@ -1388,6 +1388,10 @@ class OFADecoder(nn.Module):
         )
         past_key_values.self_attention_cache.advance(layer_idx, rows, slots, hidden_states)
 
+    def layer_inputs(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """The first layer's inputs [batch, q, d] of token embeddings [batch, q, d]: scaled, LayerNorm'd."""
+        return self.dropout(self.layernorm_embedding(inputs_embeds * self.embed_scale))
+
     def verify(
         self,
         input_ids: torch.LongTensor | None,
@@ -1403,7 +1407,7 @@ class OFADecoder(nn.Module):
         `input_ids` None, only the cache's waiting tokens run."""
         self_cache = past_key_values.self_attention_cache
         if input_ids is not None:
-            hidden_states = self.dropout(self.layernorm_embedding(self.embed_tokens(input_ids) * self.embed_scale))
+            hidden_states = self.layer_inputs(self.embed_tokens(input_ids))
             self_cache.wait(self_cache.open_slots(hidden_states, self.num_heads), hidden_states)
         batch, length = encoder_outputs.last_hidden_state.shape[0], self_cache.get_seq_length()
         # Every layer runs on some of the slots from the first waiting one on: their biases, computed once.
@@ -1611,8 +1615,7 @@ class OFADecoder(nn.Module):
             raise ValueError("`output_exit_hidden_states` needs every exit layer to run: set `decoder_layerdrop=0`.")
         controller = exit_settings.decoder if exit_settings is not None else None
 
-        hidden_states = inputs_embeds * self.embed_scale
-        hidden_states = self.dropout(self.layernorm_embedding(hidden_states))  # [batch, q, d]
+        hidden_states = self.layer_inputs(inputs_embeds)  # [batch, q, d]
         step = self.step_biases(
             past, tokens.shape[1], length, attention_mask, encoder_outputs, self_cache, position_ids
         )

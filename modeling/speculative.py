@@ -19,9 +19,9 @@ the other rows (which stand at other lengths) sees what the full model's loop wo
 
 Rows advance independently. A round opens k + 1 slots in every row; the slots of a row's rejected drafts become holes,
 masked in the decoder's attention mask and skipped by its position ids (which count each row's real tokens). Holes
-that every row has at the end of a round are cropped, so at batch 1 nothing of a rejected draft remains; at the end of
-the call, each row's real slots move to its first positions, so that the returned cache is laid out as the full
-model's (past a row's end, zeros where the full model has the K/V of the pad tokens it feeds).
+that every row has at the end of a round are cropped, so at batch 1 nothing of a rejected draft remains. At the end of
+the call each row's real slots move to its first positions, and those past a row's end wait for the layers with the
+tokens the full model feeds there (its last token, then pads): the returned cache stands for the full model's.
 """
 
 import dataclasses
@@ -121,18 +121,24 @@ def processed_batch(processors: Callable, prefixes: torch.Tensor, logits: torch.
 
 class SlotMask:
     """The decoder's attention mask over the cache's slots and the position ids of a batch with holes; None for both
-    while no row has a hole (then positions are the slots)."""
+    while no row has a hole or a prompt pad (then positions are the slots). A hole counts no position; a padded
+    decoder prompt's pads are masked, and those after a row's first real token count, as the full model counts them
+    (`position_ids_from_mask`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prompt_mask: torch.Tensor | None = None) -> None:
         self.mask: torch.Tensor | None = None  # [batch, slots]
+        self.counted: torch.Tensor | None = None  # [batch, slots]: 1 where a slot counts toward the positions
+        if prompt_mask is not None and not bool(prompt_mask.all()):
+            self.mask = prompt_mask.long()
+            self.counted = (self.mask.cumsum(dim=-1) > 0).long()
 
     def covering(self, slots: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(attention mask, position ids) [batch, slots] over the first `slots` slots, the ones after the last round
         real."""
         if self.mask is None:
             return None, None
-        mask = F.pad(self.mask, (0, slots - self.mask.shape[1]), value=1)
-        return mask, (mask.cumsum(dim=-1) - 1).clamp(min=0)
+        mask, counted = (F.pad(tensor, (0, slots - tensor.shape[1]), value=1) for tensor in (self.mask, self.counted))
+        return mask, (counted.cumsum(dim=-1) - 1).clamp(min=0)
 
     def close_round(self, slots: int, real: torch.Tensor, start: int) -> int:
         """After a round whose slots start at `start` (of `slots`), the first `real[row]` of them real and the rest
@@ -142,10 +148,14 @@ class SlotMask:
         if self.mask is None and bool((real == keep).all()):
             return opened - keep
         if self.mask is None:
-            self.mask = torch.ones(real.shape[0], start, dtype=torch.long, device=real.device)
-        mask = F.pad(self.mask, (0, start - self.mask.shape[1]), value=1)
+            self.mask = self.counted = torch.ones(real.shape[0], start, dtype=torch.long, device=real.device)
         new = (torch.arange(keep, device=real.device)[None] < real[:, None]).long()
-        self.mask = torch.cat([mask, new], dim=1)
+        # The round's first slot may be the prompt's last token (the first round's input): its own values stay.
+        self.mask, self.counted = (
+            F.pad(tensor, (0, start + keep - tensor.shape[1]), value=1) for tensor in (self.mask, self.counted)
+        )
+        self.mask[:, start:] *= new
+        self.counted[:, start:] *= new
         return opened - keep
 
 
@@ -447,10 +457,8 @@ def speculative_generate(
     draft_tokens = generation_config.num_assistant_tokens or DEFAULT_DRAFT_TOKENS
     adaptive = generation_config.num_assistant_tokens_schedule in ("heuristic", "heuristic_transient")
     batch, max_length = input_ids.shape[0], generation_config.max_length
-    tokens, slots = RowTokens(input_ids, max_length + draft_tokens + 1, pad), SlotMask()
-    prompt_mask = model_kwargs.get("decoder_attention_mask")
-    if prompt_mask is not None and not bool(prompt_mask.all()):  # a padded decoder prompt: its pads are holes
-        slots.mask = prompt_mask.long()
+    tokens = RowTokens(input_ids, max_length + draft_tokens + 1, pad)
+    slots = SlotMask(model_kwargs.get("decoder_attention_mask"))
     log = RoundLog(batch, generation_config.output_scores, generation_config.output_logits, pad)
     if input_ids.shape[1] > 1:
         decoding.prefill(input_ids[:, :-1], slots)
@@ -476,12 +484,15 @@ def speculative_generate(
         generating = still
     if streamer is not None:
         streamer.end()
+    sequences = tokens.new_tokens(pad)
     if slots.mask is not None:  # the cache `generate` returns holds each row's tokens in order, as the full model's
         kept = slots.mask.clone()
         kept[:, : input_ids.shape[1]] = 1  # a padded prompt's pads keep their slots, as in the full model's cache
         if not bool(kept.all()):
-            decoding.cache.self_attention_cache.close_holes(kept)
-    return log.output(tokens.new_tokens(pad))
+            # Past a row's end wait the tokens the full model feeds there (its last token, then pads).
+            ended = decoding.decoder.layer_inputs(decoding.decoder.embed_tokens(sequences[:, :-1]))
+            decoding.cache.self_attention_cache.close_holes(kept, ended)
+    return log.output(sequences)
 
 
 def commit_round(

@@ -98,19 +98,24 @@ def test_the_cache_holds_the_full_models_keys_and_values_of_the_accepted_tokens(
     cache, expected = out.past_key_values.self_attention_cache, reference.past_key_values.self_attention_cache
     # Nothing of a rejected draft remains: each row's tokens but its newest, in order, as in the full model's cache.
     assert cache.get_seq_length() == out.sequences.shape[1] - 1
-    assert bool((cache.frontier == DEPTH).all())
     for row, cached in enumerate((out.exit_layers > 0).sum(dim=1).tolist()):  # the start token, new tokens, - 1
+        assert bool((cache.frontier[row, :cached] == DEPTH).all())
         for ours, theirs in zip(cache.layers, expected.layers, strict=True):
             torch.testing.assert_close(ours.keys[row, :, :cached], theirs.keys[row, :, :cached], rtol=0, atol=1e-5)
             torch.testing.assert_close(ours.values[row, :, :cached], theirs.values[row, :, :cached], rtol=0, atol=1e-5)
 
 
-def test_the_full_model_continues_from_the_returned_cache(model):
-    inputs = mixed_lengths(4, seed=5)
-    out = speculative(model, inputs, CONTROLLERS["fixed"](), num_assistant_tokens=3, eos_token_id=None)
+@pytest.mark.parametrize("ending", [False, True])
+def test_the_full_model_continues_from_the_returned_cache(model, ending):
+    """Also for rows that ended before the others: past a row's end the cache holds what the full model computes on
+    the tokens it feeds there (its end token, then pads), once a later call reads it."""
+    inputs = mixed_lengths(4, seed=3)
+    end = full_greedy(model, inputs)[:, 3].mode().values.item() if ending else None  # a token several rows emit
+    out = speculative(model, inputs, CONTROLLERS["fixed"](), num_assistant_tokens=3, eos_token_id=end)
+    assert bool((out.sequences[:, -1] == 1).any()) == ending  # a row that ended before the longest one
     prefix = dict(decoder_input_ids=out.sequences, decoder_attention_mask=torch.ones_like(out.sequences))
-    continued = full_greedy(model, {**inputs, **prefix, "past_key_values": out.past_key_values})
-    assert torch.equal(continued, full_greedy(model, {**inputs, **prefix}))
+    continued = full_greedy(model, {**inputs, **prefix, "past_key_values": out.past_key_values}, eos_token_id=None)
+    assert torch.equal(continued, full_greedy(model, {**inputs, **prefix}, eos_token_id=None))
 
 
 def test_exit_layers_and_acceptance_statistics(model):
@@ -374,13 +379,21 @@ def test_stopping_criteria_get_the_scores_so_far_and_finished_rows_are_certain_o
         assert not ours[row, end:].any()
 
 
-def test_left_padded_decoder_prompts_give_the_full_models_tokens(model):
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_decoder_prompts_give_the_full_models_tokens(model, side):
+    """Left pads count no position; pads after a row's first token (right-padded prompts, or continuing sequences
+    whose ended rows are masked) count, as in the full model."""
     inputs = mixed_lengths(4, seed=2)
     prompts = [[0, 17, 33], [0, 45], [0], [0, 9, 9]]
     width = max(map(len, prompts))
+
+    def padded(row: list[int], pad: int) -> list[int]:
+        pads = [pad] * (width - len(row))
+        return pads + row if side == "left" else row + pads
+
     padded = {
-        "decoder_input_ids": torch.tensor([[1] * (width - len(prompt)) + prompt for prompt in prompts]),
-        "decoder_attention_mask": torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts]),
+        "decoder_input_ids": torch.tensor([padded(prompt, 1) for prompt in prompts]),
+        "decoder_attention_mask": torch.tensor([padded([1] * len(prompt), 0) for prompt in prompts]),
     }
     expected = full_greedy(model, {**inputs, **padded})
     for policy in ("fixed", "confidence"):
