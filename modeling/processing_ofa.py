@@ -32,11 +32,18 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from transformers import BartTokenizer, BatchFeature
+from transformers import BartTokenizer, BatchFeature, GenerationConfig
 from transformers.image_processing_backends import PilBackend
 from transformers.image_utils import ChannelDimension, PILImageResampling, SizeDict
-from transformers.processing_utils import ProcessorMixin
+from transformers.processing_utils import ProcessorMixin, TextKwargs
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.utils import logging
+
+from .exit_knobs import EXIT_KNOBS
+
+logger = logging.get_logger(__name__)
+# What `generate` takes: given to the processor (a pipeline hands it the call's unknown keyword arguments), refused.
+GENERATE_OPTIONS = frozenset(EXIT_KNOBS) | frozenset(vars(GenerationConfig()))
 
 # A single image accepted by `OFAImageProcessor`, and what may be passed as `images` (one image or a list of them).
 SingleImage = Image.Image | np.ndarray | torch.Tensor
@@ -155,7 +162,7 @@ def to_rgb_pil_image(image: SingleImage, input_data_format: str | ChannelDimensi
     if array.ndim not in (2, 3):
         raise ValueError(
             f"Expected an image with 2 (H, W) or 3 (H, W, C) / (C, H, W) dimensions, got {array.ndim} dimensions "
-            f"(shape {tuple(array.shape)}). Pass a batch as a list of images."
+            f"(shape {tuple(array.shape)}). Pass a batch as a list of images or one 4-D array."
         )
 
     if array.ndim == 3:
@@ -230,8 +237,10 @@ class OFAImageProcessor(PilBackend):
         expected_ndims: int = 3,
         **kwargs,
     ) -> list[np.ndarray]:
-        # Replaces the base class' permissive flattening (which also treats 4-D arrays and nested lists as batches)
-        # with a strict "one image or a flat list of images" contract and errors that point at the faulty image.
+        # Replaces the base class' permissive flattening (which also treats nested lists as batches) with a strict
+        # "one image, a flat list of images or a 4-D batch" contract and errors that point at the faulty image.
+        if getattr(images, "ndim", 0) == 4:
+            images = list(images)
         if isinstance(images, (list, tuple)):
             if len(images) == 0:
                 raise ValueError("Got an empty list of images: pass at least one image.")
@@ -339,22 +348,32 @@ class OFAProcessor(ProcessorMixin):
             max_length (`int`, *optional*):
                 Maximum text length (in tokens, including `<s>` and `</s>`).
             kwargs:
-                Image processor options (`size`, `resample`, ...) go to the image processor, anything else to the
-                tokenizer.
+                Image processor options (`size`, `resample`, ...) go to the image processor, tokenizer options to the
+                tokenizer; others are ignored with a warning.
 
         Returns:
             [`BatchFeature`]: `input_ids` and `attention_mask` when text is given, `pixel_values` when images are.
 
         Raises:
-            `ValueError`: if neither input is given, `text` is not a string or list of strings, an image is invalid, or
-            the image and text batch sizes differ.
+            `ValueError`: if neither input is given, `text` is not a string or list of strings, an image is invalid,
+            the image and text batch sizes differ, or an option of `generate` (an exit knob, `max_new_tokens`, ...)
+            is given.
         """
         if images is None and text is None:
             raise ValueError("OFAProcessor needs at least one of `images` or `text`, got neither.")
 
         image_kwarg_names = set(self.image_processor.valid_kwargs.__annotations__)
         image_kwargs = {key: value for key, value in kwargs.items() if key in image_kwarg_names}
-        text_kwargs = {key: value for key, value in kwargs.items() if key not in image_kwarg_names}
+        text_kwargs = {key: value for key, value in kwargs.items() if key in TextKwargs.__annotations__}
+        unknown = sorted(set(kwargs) - set(image_kwargs) - set(text_kwargs))
+        for_generate = [key for key in unknown if key in GENERATE_OPTIONS]
+        if for_generate:
+            raise ValueError(
+                f"The processor does not take `generate`'s options {for_generate}: pass them to `model.generate`, or "
+                "in a pipeline's `generate_kwargs`."
+            )
+        for key in unknown:  # as stock processors do
+            logger.warning(f"Keyword argument `{key}` is not a valid argument for this processor and will be ignored.")
 
         texts = None
         if text is not None:

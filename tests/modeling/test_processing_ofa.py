@@ -181,8 +181,8 @@ def test_return_tensors_none_gives_numpy_arrays(image_processor):
         (np.zeros((0, 5, 3), dtype=np.uint8), "empty image array"),
         (np.array([], dtype=np.float32), "empty image array"),
         (np.zeros(5, dtype=np.uint8), "got 1 dimensions"),
-        (np.zeros((2, 5, 5, 3), dtype=np.uint8), "got 4 dimensions"),
-        (torch.zeros(1, 3, 5, 5), "got 4 dimensions"),
+        (np.zeros((1, 2, 5, 5, 3), dtype=np.uint8), "got 5 dimensions"),
+        (torch.zeros(2, 3, 5, 5, 1), "got 5 dimensions"),
         (np.zeros((5, 5, 2), dtype=np.uint8), "channel dimension of size 1, 3 or 4"),
         (np.zeros((5, 6, 7), dtype=np.uint8), "channel dimension of size 1, 3 or 4"),
         (np.full((5, 5, 3), 2.0), r"Float image values must lie in \[0, 1\]"),
@@ -195,6 +195,14 @@ def test_return_tensors_none_gives_numpy_arrays(image_processor):
 def test_bad_images_raise_value_error(image_processor, bad, match):
     with pytest.raises(ValueError, match=match):
         image_processor(bad)
+
+
+def test_a_4d_array_or_tensor_is_a_batch_of_images(image_processor):
+    images = [_random_uint8((9, 7, 3), seed=seed) for seed in range(2)]
+    expected = image_processor(images, return_tensors="pt")["pixel_values"]
+    assert torch.equal(image_processor(np.stack(images), return_tensors="pt")["pixel_values"], expected)
+    channels_first = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+    assert torch.equal(image_processor(channels_first, return_tensors="pt")["pixel_values"], expected)
 
 
 def test_image_processor_input_names_and_config(image_processor):
@@ -348,3 +356,17 @@ def test_processor_remote_code_round_trip(processor, tmp_path):
     for key in expected:
         assert torch.equal(actual[key], expected[key]), key
     assert reloaded.model_input_names == processor.model_input_names
+
+
+def test_options_of_generate_are_refused_and_unknown_ones_ignored_with_a_warning(processor, monkeypatch):
+    """A pipeline hands its call's unknown keyword arguments to the processor: an exit knob or a generation option
+    there would otherwise change nothing, silently."""
+    from hf_earlyexit.modeling import processing_ofa
+
+    for option in ({"exit_threshold": 0.5}, {"exit_mode": "speculative"}, {"temperature": 0.7}):
+        with pytest.raises(ValueError, match=f"{next(iter(option))}.*generate_kwargs"):
+            processor(text=CAPTION_PROMPT, **option)
+    warnings = []
+    monkeypatch.setattr(processing_ofa.logger, "warning", warnings.append)
+    assert processor(text=CAPTION_PROMPT, bogus=1) == processor(text=CAPTION_PROMPT)
+    assert len(warnings) == 1 and "`bogus`" in warnings[0]

@@ -163,6 +163,10 @@ outputs = {
     "batch": pipe(images=[image, other], text=texts, batch_size=2, return_full_text=False,
                   generate_kwargs={"max_new_tokens": 5, "exit_threshold": 0.5, "exit_policy": "confidence"}),
 }
+try:  # an exit knob given to the pipeline call itself, not in `generate_kwargs`
+    pipe(images=image, text=texts[0], exit_threshold=0.5)
+except ValueError as error:
+    outputs["refused"] = str(error)
 torch.save(outputs, sys.argv[2])
 """
 
@@ -207,6 +211,7 @@ def test_model_and_processor_folder_loads_as_remote_code_and_as_local_classes(tm
     knobs = {"max_new_tokens": 5, "exit_threshold": 0.5, "exit_policy": "confidence"}
     expected = processor.batch_decode(model.generate(**batch, **knobs), skip_special_tokens=True)
     assert [record["generated_text"] for record in outputs["batch"]] == expected
+    assert "generate_kwargs" in outputs["refused"]  # not silently ignored
 
 
 @pytest.mark.parametrize(
