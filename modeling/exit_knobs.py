@@ -5,12 +5,17 @@ config (where calibration writes its choice), then in the model config (the mode
 `generate`, the config, the CLI, evaluation, calibration and publishing all go through `resolve_knobs` and
 `check_knobs`; `NO_EXIT` is the one way to ask for the full model whatever the saved defaults say.
 
-A leaf: it imports nothing of the model, so the config and the exit controllers can both read it.
+A leaf: it imports nothing of the model (only Transformers' logger), so the config and the exit controllers can both
+read it.
 """
 
 import difflib
 import functools
 from typing import Any, Literal, get_args
+
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 ExitPolicy = Literal["similarity", "confidence", "margin", "patience"]
 ThresholdScheduleName = Literal["constant", "mue_decay", "mue_official", "calm_decay"]
@@ -194,10 +199,21 @@ def resolve_knobs(config: Any, generation_config: Any = None, **given: Any) -> d
             values[name] = given[name]
         elif generation_config is not None and hasattr(generation_config, name):
             values[name] = getattr(generation_config, name)
+            warn_if_shadowed(name, getattr(config, name, default), values[name])
         else:
             values[name] = getattr(config, name, default)
     check_knobs(values, config)
     return values
+
+
+def warn_if_shadowed(name: str, in_config: Any, in_generation_config: Any) -> None:
+    """A knob set in the model config (`from_pretrained(..., knob=value)`) that the generation config's value
+    outranks would change nothing: said once."""
+    if in_config is not None and in_config != EXIT_KNOBS[name] and in_config != in_generation_config:
+        logger.warning_once(
+            f"`{name}={in_config!r}` in the model config is outranked by the generation config's "
+            f"`{in_generation_config!r}`: pass it to `generate`, or set `model.generation_config.{name}`."
+        )
 
 
 def check_no_misspelt_knob(source: Any, where: str) -> None:

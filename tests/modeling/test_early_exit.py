@@ -885,6 +885,17 @@ def test_defaults_come_from_the_config_and_the_generation_config_and_survive_sav
         assert bool((out.exit_layers == DEPTH).all())
 
 
+def test_a_model_config_knob_the_generation_config_outranks_is_said_once(monkeypatch):
+    from hf_earlyexit.modeling import exit_knobs
+
+    model, said = tiny_model(decoder_layers=DEPTH, exit_threshold=-1.0), []
+    monkeypatch.setattr(exit_knobs.logger, "warning_once", said.append)
+    generate(model, batch_of(1), "greedy")
+    model.generation_config.exit_threshold = 0.5  # what a calibration writes
+    generate(model, batch_of(1), "greedy")
+    assert len(said) == 1 and "`exit_threshold=-1.0` in the model config is outranked" in said[0]
+
+
 @pytest.mark.parametrize(
     "knobs, message",
     [
