@@ -63,12 +63,21 @@ def task_list(text: str) -> list[str]:
 
 def threshold_or_off(text: str) -> float | str:
     """A threshold knob's command-line value: a number, or 'none' (`OFF`)."""
-    return OFF if text.strip().lower() == OFF else float(text)
+    return number_or_off(text, float, "a number")
 
 
 def int_or_off(text: str) -> int | str:
     """A count knob's command-line value: an integer, or 'none' (`OFF`)."""
-    return OFF if text.strip().lower() == OFF else int(text)
+    return number_or_off(text, int, "an integer")
+
+
+def number_or_off(text: str, kind: type, what: str) -> int | float | str:
+    if text.strip().lower() == OFF:
+        return OFF
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what} or '{OFF}', got {text!r}") from None
 
 
 def check_samples(args: argparse.Namespace) -> None:
@@ -404,7 +413,12 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
         help="exit (lossy) or speculative (the full model's output)",
     )
     parser.add_argument("--draft-exit-policy", dest="draft_exit_policy", choices=POLICY_NAMES, help="speculative")
-    parser.add_argument("--draft-exit-threshold", dest="draft_exit_threshold", type=float, help="speculative drafts")
+    parser.add_argument(
+        "--draft-exit-threshold",
+        dest="draft_exit_threshold",
+        type=threshold_or_off,
+        help="speculative drafts ('none': the exit threshold)",
+    )
     parser.add_argument(
         "--draft-max-batch-size",
         dest="draft_max_batch_size",

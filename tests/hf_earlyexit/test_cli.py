@@ -522,3 +522,25 @@ def test_argparse_errors_name_the_command_once(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--task", "poems"])  # reported by the subcommand's parser
     assert capsys.readouterr().err.startswith("hf-earlyexit: error: bench: argument --task: invalid choice")
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [
+        ("--exit-threshold", "abc", "expected a number or 'none', got 'abc'"),
+        ("--draft-exit-threshold", "high", "expected a number or 'none', got 'high'"),
+        ("--draft-max-batch-size", "x", "expected an integer or 'none', got 'x'"),
+    ],
+)
+def test_knob_values_that_are_no_number_or_none_are_refused_by_name(capsys, option, value, expected):
+    with pytest.raises(SystemExit) as exit_status:
+        main(["eval", "some/model", option, value])
+    assert exit_status.value.code == 2
+    assert f"argument {option}: {expected}" in capsys.readouterr().err
+
+
+def test_none_gives_the_draft_threshold_none_whatever_the_saved_default():
+    from hf_earlyexit.cli import build_parser, given_knobs
+
+    args = build_parser().parse_args(["eval", "some/model", "--task", "caption", "--draft-exit-threshold", "none"])
+    assert given_knobs(args) == {"draft_exit_threshold": None}
