@@ -27,7 +27,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.generation.utils import GenerateBeamEncoderDecoderOutput, GenerateEncoderDecoderOutput
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 
 from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitController, SimilarityExit, make_controller, per_row
@@ -47,6 +47,8 @@ from .exit_knobs import (
 )
 from .row_exits import AutoPlan, CompactPlan, KeepPlan, LayerCosts, RowExits
 from .speculative import DEFAULT_DRAFT_TOKENS, speculative_generate
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -364,8 +366,10 @@ class EarlyExitGenerationMixin(GenerationMixin):
         if settings is not None and knobs:
             raise ValueError(f"Pass either `exit_settings` or the knobs {sorted(knobs)}, not both.")
         source = self.generation_config if generation_config is None else completed(generation_config, self)
+        prompt = kwargs.get("decoder_input_ids")
+        values = within_positions(self.config, source, kwargs, 1 if prompt is None else prompt.shape[-1])
         if settings is None:
-            max_steps = decoding_steps(source, kwargs)
+            max_steps = decoding_steps(source, {**kwargs, **values})
             # Transformers expands each request into max(num_beams, num_return_sequences) decoder rows.
             expand = max(kwargs.get(name) or getattr(source, name, None) or 1 for name in ROW_EXPANSIONS)
             settings = EarlyExitSettings.from_knobs(
@@ -378,7 +382,6 @@ class EarlyExitGenerationMixin(GenerationMixin):
                 "`use_cache=False`, or turn the decoder's exits off (`exit_threshold=None`; they may come from the "
                 "model's saved defaults)."
             )
-        values = {}
         # A config's `use_cache=False` is a training setting (the Trainer writes it); exits decode with the cache,
         # unless the call itself asks otherwise (encoder exits alone do not need it).
         if settings.exits and kwargs.get("use_cache") is not False:
@@ -525,14 +528,31 @@ def completed(generation_config: GenerationConfig, model: GenerationMixin) -> Ge
     return generation_config
 
 
-def decoding_steps(generation_config: GenerationConfig, kwargs: dict[str, Any]) -> int:
-    """The new tokens a call decodes at most: `max_new_tokens`, else `max_length` less the decoder's start token,
-    else Transformers' default (which it adds to the decoder's input length when no length is set)."""
+def decoding_steps(generation_config: GenerationConfig, kwargs: dict[str, Any], prompt_length: int = 1) -> int:
+    """The new tokens a call decodes at most: `max_new_tokens`, else `max_length` less the decoder's prompt (its start
+    token), else Transformers' default (which it adds to the decoder's input length when no length is set)."""
     given = kwargs.get("max_new_tokens") or generation_config.max_new_tokens
     if given:
         return given
     length = kwargs.get("max_length") or generation_config.max_length
-    return length - 1 if length else GenerationConfig._get_default_generation_params()["max_length"]
+    return length - prompt_length if length else GenerationConfig._get_default_generation_params()["max_length"]
+
+
+def within_positions(
+    config: PreTrainedConfig, generation_config: GenerationConfig, kwargs: dict[str, Any], prompt_length: int
+) -> dict[str, Any]:
+    """`max_new_tokens` capped, with a warning, where a call asks for more new tokens than the decoder's positions
+    hold (a pipeline's default of 256 on a small model): the step past them would be refused, losing what the call
+    decoded. The newest token is never fed, so a sequence may be one longer than the positions."""
+    most = config.max_position_embeddings + 1 - prompt_length
+    steps = decoding_steps(generation_config, kwargs, prompt_length)
+    if steps <= most or most < 1:  # a prompt past the positions is refused by name in `forward`
+        return {}
+    logger.warning_once(
+        f"{steps} new tokens would pass the {config.max_position_embeddings} positions this decoder covers "
+        f"(`max_position_embeddings`): decoding stops after {most}."
+    )
+    return {"max_new_tokens": most}
 
 
 def with_generation_values(

@@ -1492,7 +1492,10 @@ class OFADecoder(nn.Module):
         the `position_table` when no gradient is needed and no tracer runs (it would trace the whole table in at every
         step): sliced when rows have no decoder mask or position ids (positions 0, 1, ...), gathered otherwise."""
         device = encoder_outputs.last_hidden_state.device
-        check_positions(length, self.config, "The decoder's tokens (prompt and new ones) reach")
+        # Slots are positions, but where rows skip holes (speculative decoding): then read the positions themselves.
+        skips = position_ids is not None and length > self.config.max_position_embeddings
+        reached = int(position_ids.max()) + 1 if skips else length
+        check_positions(reached, self.config, "The decoder's tokens (prompt and new ones) reach")
         from_table = (
             self_cache is not None
             and not torch.is_grad_enabled()

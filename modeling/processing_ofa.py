@@ -362,18 +362,7 @@ class OFAProcessor(ProcessorMixin):
         if images is None and text is None:
             raise ValueError("OFAProcessor needs at least one of `images` or `text`, got neither.")
 
-        image_kwarg_names = set(self.image_processor.valid_kwargs.__annotations__)
-        image_kwargs = {key: value for key, value in kwargs.items() if key in image_kwarg_names}
-        text_kwargs = {key: value for key, value in kwargs.items() if key in TextKwargs.__annotations__}
-        unknown = sorted(set(kwargs) - set(image_kwargs) - set(text_kwargs))
-        for_generate = [key for key in unknown if key in GENERATE_OPTIONS]
-        if for_generate:
-            raise ValueError(
-                f"The processor does not take `generate`'s options {for_generate}: pass them to `model.generate`, or "
-                "in a pipeline's `generate_kwargs`."
-            )
-        for key in unknown:  # as stock processors do
-            logger.warning(f"Keyword argument `{key}` is not a valid argument for this processor and will be ignored.")
+        image_kwargs, text_kwargs = self.split_kwargs(kwargs)
 
         texts = None
         if text is not None:
@@ -413,6 +402,23 @@ class OFAProcessor(ProcessorMixin):
             data.update(self.image_processor(images, **image_kwargs))
 
         return BatchFeature(data=data, tensor_type=return_tensors)
+
+    def split_kwargs(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(image processor options, tokenizer options) of `kwargs`. `generate`'s options are a ValueError (a pipeline
+        hands the processor its call's unknown keyword arguments); others are ignored with a warning."""
+        image_kwarg_names = set(self.image_processor.valid_kwargs.__annotations__)
+        image_kwargs = {key: value for key, value in kwargs.items() if key in image_kwarg_names}
+        text_kwargs = {key: value for key, value in kwargs.items() if key in TextKwargs.__annotations__}
+        unknown = sorted(set(kwargs) - set(image_kwargs) - set(text_kwargs))
+        for_generate = [key for key in unknown if key in GENERATE_OPTIONS]
+        if for_generate:
+            raise ValueError(
+                f"The processor does not take `generate`'s options {for_generate}: pass them to `model.generate`, or "
+                "in a pipeline's `generate_kwargs`."
+            )
+        for key in unknown:  # as stock processors do
+            logger.warning(f"Keyword argument `{key}` is not a valid argument for this processor and will be ignored.")
+        return image_kwargs, text_kwargs
 
     def batch_decode(self, *args, **kwargs) -> list[str]:
         """Forwards to the tokenizer's `batch_decode`."""

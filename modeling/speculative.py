@@ -125,7 +125,10 @@ class SlotMask:
     decoder prompt's pads are masked, and those after a row's first real token count, as the full model counts them
     (`position_ids_from_mask`)."""
 
-    def __init__(self, prompt_mask: torch.Tensor | None = None) -> None:
+    def __init__(self, max_length: int, prompt_mask: torch.Tensor | None = None) -> None:
+        # A row's real tokens take positions up to max_length - 2 (the newest token is never fed). A slot of a row
+        # that no longer drafts in its round counts too, past them maybe: clamped, since no kept token reads it.
+        self.last_position = max(max_length - 2, 0)
         self.mask: torch.Tensor | None = None  # [batch, slots]
         self.counted: torch.Tensor | None = None  # [batch, slots]: 1 where a slot counts toward the positions
         if prompt_mask is not None and not bool(prompt_mask.all()):
@@ -138,7 +141,7 @@ class SlotMask:
         if self.mask is None:
             return None, None
         mask, counted = (F.pad(tensor, (0, slots - tensor.shape[1]), value=1) for tensor in (self.mask, self.counted))
-        return mask, (counted.cumsum(dim=-1) - 1).clamp(min=0)
+        return mask, (counted.cumsum(dim=-1) - 1).clamp(min=0, max=self.last_position)
 
     def close_round(self, slots: int, real: torch.Tensor, start: int) -> int:
         """After a round whose slots start at `start` (of `slots`), the first `real[row]` of them real and the rest
@@ -246,6 +249,7 @@ class SpeculativeDecoding:
     do_sample: bool
     pad_token_id: int
     eos_token_ids: torch.Tensor | None  # a row that drafts one stops drafting: nothing after it would be kept
+    max_length: int  # so does a row whose drafts reach it (a longer row than the one that set the round's k)
 
     @property
     def depth(self) -> int:
@@ -321,9 +325,11 @@ class SpeculativeDecoding:
             tokens.write(drafting, offset, picked)
             drafts.append(Draft(picked, logits, scores, exit_layers, hidden_states))
             kept += going.long()
+            ended = {row for row in drafting if tokens.lengths[row] + offset + 1 >= self.max_length}
             if self.eos_token_ids is not None:
                 ends = (torch.isin(picked, self.eos_token_ids) & going).tolist()
-                ended = {row for row, end in enumerate(ends) if end}
+                ended.update(row for row, end in enumerate(ends) if end)
+            if ended:
                 drafting = [row for row in drafting if row not in ended]
                 going[list(ended)] = False
             inputs = torch.where(going, picked, self.pad_token_id)
@@ -453,12 +459,13 @@ def speculative_generate(
         generation_config.do_sample,
         pad,
         generation_config._eos_token_tensor,
+        generation_config.max_length,
     )
     draft_tokens = generation_config.num_assistant_tokens or DEFAULT_DRAFT_TOKENS
     adaptive = generation_config.num_assistant_tokens_schedule in ("heuristic", "heuristic_transient")
     batch, max_length = input_ids.shape[0], generation_config.max_length
     tokens = RowTokens(input_ids, max_length + draft_tokens + 1, pad)
-    slots = SlotMask(model_kwargs.get("decoder_attention_mask"))
+    slots = SlotMask(max_length, model_kwargs.get("decoder_attention_mask"))
     log = RoundLog(batch, generation_config.output_scores, generation_config.output_logits, pad)
     if input_ids.shape[1] > 1:
         decoding.prefill(input_ids[:, :-1], slots)

@@ -1267,3 +1267,20 @@ def test_generate_refuses_classifier_free_guidance_by_name(model, knobs):
     with pytest.raises(ValueError, match="guidance_scale"):
         model.generate(**batch_of(1), guidance_scale=1.5, max_new_tokens=2, **knobs)
     model.generate(**batch_of(1), guidance_scale=1.0, max_new_tokens=2, **knobs)  # 1: no guidance
+
+
+@pytest.mark.parametrize("mode", [{}, {"exit_controller": mixed_exits()}, {"exit_mode": "speculative"}])
+def test_a_call_past_the_decoders_positions_stops_there_with_a_warning(monkeypatch, mode):
+    """What a pipeline's default of 256 new tokens asks of a model with fewer positions: the tokens decoded up to
+    the positions are kept, not lost to the refusal of the step past them."""
+    from hf_earlyexit.modeling import generation_early_exit
+
+    model, said = tiny_model(decoder_layers=DEPTH, max_position_embeddings=12, token_bucket_size=16), []
+    monkeypatch.setattr(generation_early_exit.logger, "warning_once", said.append)
+    knobs = mode if mode.get("exit_mode") != "speculative" else {**mode, "exit_controller": FixedLayerExit(1)}
+    with torch.no_grad():
+        out = model.generate(**batch_of(2), max_new_tokens=40, eos_token_id=None, **knobs)
+        prompted = model.generate(**batch_of(2), decoder_input_ids=torch.zeros(2, 3, dtype=torch.long),
+                                  max_length=40, eos_token_id=None, **knobs)  # fmt: skip
+    assert out.shape[1] == 13 and prompted.shape[1] == 13  # the newest token is never fed
+    assert said and "decoding stops after 12" in said[0]

@@ -446,7 +446,7 @@ def test_inputs_longer_than_the_positions_are_refused_by_name():
     with torch.no_grad():
         model.generate(**inputs, max_new_tokens=12, min_new_tokens=12)  # fed: the start and 11 new, 12 positions
         with pytest.raises(ValueError, match="decoder's tokens .* reach 13 positions.*max_position_embeddings"):
-            model.generate(**inputs, max_new_tokens=13, min_new_tokens=13)
+            model(**inputs, decoder_input_ids=torch.zeros(1, 13, dtype=torch.long))
         long = tiny_inputs(batch=1, text_length=13)
         with pytest.raises(ValueError, match="text input has 13 positions.*max_position_embeddings"):
             model.generate(**long, max_new_tokens=2)
