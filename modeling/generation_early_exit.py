@@ -25,7 +25,7 @@ from transformers import (
     PreTrainedConfig,
     StoppingCriteriaList,
 )
-from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
 from transformers.generation.utils import GenerateBeamEncoderDecoderOutput, GenerateEncoderDecoderOutput
 from transformers.utils import ModelOutput, logging
 
@@ -323,6 +323,14 @@ def new_cache(config: PreTrainedConfig, settings: EarlyExitSettings | None) -> E
     return EncoderDecoderCache(EarlyExitCache(config, strategy), DynamicCache())
 
 
+def with_cross_attention_cache(cache: object) -> object:
+    """A decoder cache alone, as BART takes it, as the self-attention cache beside a new cross-attention one; anything
+    else as it is."""
+    if isinstance(cache, Cache) and not isinstance(cache, EncoderDecoderCache):
+        return EncoderDecoderCache(cache, DynamicCache())
+    return cache
+
+
 @dataclass
 class EarlyExitGenerateOutput(GenerateEncoderDecoderOutput):
     """`generate` output (greedy / sampling) with the layers each token used.
@@ -494,6 +502,8 @@ class EarlyExitGenerationMixin(GenerationMixin):
     ):
         settings = model_kwargs.get("exit_settings")
         implementation = generation_config.cache_implementation
+        if model_kwargs.get("past_key_values") is not None:
+            model_kwargs["past_key_values"] = with_cross_attention_cache(model_kwargs["past_key_values"])
         if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
             # The full decoder (no decoder exits, no drafts) takes any Transformers cache, a static one included, so
             # that it can decode compiled; exits need the EarlyExitCache.

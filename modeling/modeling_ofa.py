@@ -35,7 +35,7 @@ from .configuration_ofa import PATCH_STEM, RESNET_LAYERS, OFAEarlyExitConfig
 from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitState, checked_decision
 from .exit_knobs import EXIT_KNOBS
-from .generation_early_exit import EarlyExitGenerationMixin, EarlyExitSettings, new_cache
+from .generation_early_exit import EarlyExitGenerationMixin, EarlyExitSettings, new_cache, with_cross_attention_cache
 from .row_exits import ActiveRows, LayerCosts, RowExits, random_state_kept, select_rows
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1910,6 +1910,7 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
             )
         if use_cache and past_key_values is None:
             past_key_values = new_cache(self.config, exit_settings)
+        past_key_values = with_cross_attention_cache(past_key_values)
         if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
             raise ValueError(f"`past_key_values` must be an EncoderDecoderCache, got {type(past_key_values).__name__}.")
 

@@ -1284,3 +1284,30 @@ def test_a_call_past_the_decoders_positions_stops_there_with_a_warning(monkeypat
                                   max_length=40, eos_token_id=None, **knobs)  # fmt: skip
     assert out.shape[1] == 13 and prompted.shape[1] == 13  # the newest token is never fed
     assert said and "decoding stops after 12" in said[0]
+
+
+def test_a_decoder_cache_alone_serves_as_bart_takes_it(model):
+    """A bare `DynamicCache` or `EarlyExitCache` is the self-attention cache, beside a new cross-attention one; the
+    caller's object holds the tokens."""
+    from transformers.cache_utils import DynamicCache
+
+    inputs, kwargs = batch_of(2), dict(eos_token_id=None, do_sample=False, max_new_tokens=6)
+    lossy = dict(exit_controller=FixedLayerExit(2), kv_strategy="recompute")
+    with torch.no_grad():
+        full, exits = model.generate(**inputs, **kwargs, **NO_EXIT), model.generate(**inputs, **kwargs, **lossy)
+        for cache, knobs, expected in (
+            (DynamicCache(), NO_EXIT, full),
+            (EarlyExitCache(model.config), NO_EXIT, full),
+            (EarlyExitCache(model.config, "recompute"), lossy, exits),
+            (
+                EarlyExitCache(model.config, "recompute"),
+                dict(exit_mode="speculative", exit_controller=FixedLayerExit(1)),
+                full,
+            ),
+        ):
+            assert torch.equal(model.generate(**inputs, past_key_values=cache, **kwargs, **knobs), expected)
+            assert cache.get_seq_length() >= expected.shape[1] - 1
+        ids, cache = full[:, :3], DynamicCache()
+        model(**inputs, decoder_input_ids=ids[:, :2], past_key_values=cache, use_cache=True)
+        step = model(**inputs, decoder_input_ids=ids[:, 2:], past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(step, model(**inputs, decoder_input_ids=ids).logits[:, 2:], rtol=0, atol=1e-5)
