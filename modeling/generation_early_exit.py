@@ -551,9 +551,10 @@ def decoding_steps(generation_config: GenerationConfig, kwargs: dict[str, Any], 
 def within_positions(
     config: PreTrainedConfig, generation_config: GenerationConfig, kwargs: dict[str, Any], prompt_length: int
 ) -> dict[str, Any]:
-    """`max_new_tokens` capped, with a warning, where a call asks for more new tokens than the decoder's positions
-    hold (a pipeline's default of 256 on a small model): the step past them would be refused, losing what the call
-    decoded. The newest token is never fed, so a sequence may be one longer than the positions."""
+    """The call's length bound (`max_new_tokens`, else `max_length`) capped, with a warning, where it asks for more
+    new tokens than the decoder's positions hold (a pipeline's default of 256 on a small model): the step past them
+    would be refused, losing what the call decoded. The newest token is never fed, so a sequence may be one longer
+    than the positions."""
     most = config.max_position_embeddings + 1 - prompt_length
     steps = decoding_steps(generation_config, kwargs, prompt_length)
     if steps <= most or most < 1:  # a prompt past the positions is refused by name in `forward`
@@ -562,7 +563,9 @@ def within_positions(
         f"{steps} new tokens would pass the {config.max_position_embeddings} positions this decoder covers "
         f"(`max_position_embeddings`): decoding stops after {most}."
     )
-    return {"max_new_tokens": most}
+    if kwargs.get("max_new_tokens") or generation_config.max_new_tokens:
+        return {"max_new_tokens": most}
+    return {"max_length": config.max_position_embeddings + 1}
 
 
 def with_generation_values(

@@ -492,9 +492,7 @@ def speculative_generate(
     if streamer is not None:
         streamer.end()
     sequences = tokens.new_tokens(pad)
-    # The cache a dict output returns holds each row's tokens in order, as the full model's. (A cache the caller
-    # passed and reads without one keeps its holes: continuing from it is refused on the mask's width.)
-    if slots.mask is not None and generation_config.return_dict_in_generate:
+    if slots.mask is not None:  # the cache the caller gets holds each row's tokens in order, as the full model's
         kept = slots.mask.clone()
         kept[:, : input_ids.shape[1]] = 1  # a padded prompt's pads keep their slots, as in the full model's cache
         if not bool(kept.all()):

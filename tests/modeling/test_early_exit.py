@@ -1273,10 +1273,13 @@ def test_generate_refuses_classifier_free_guidance_by_name(model, knobs):
 def test_a_call_past_the_decoders_positions_stops_there_with_a_warning(monkeypatch, mode):
     """What a pipeline's default of 256 new tokens asks of a model with fewer positions: the tokens decoded up to
     the positions are kept, not lost to the refusal of the step past them."""
+    from transformers.generation import utils as generation_utils
+
     from hf_earlyexit.modeling import generation_early_exit
 
-    model, said = tiny_model(decoder_layers=DEPTH, max_position_embeddings=12, token_bucket_size=16), []
+    model, said, stock = tiny_model(decoder_layers=DEPTH, max_position_embeddings=12, token_bucket_size=16), [], []
     monkeypatch.setattr(generation_early_exit.logger, "warning_once", said.append)
+    monkeypatch.setattr(generation_utils.logger, "warning", stock.append)
     knobs = mode if mode.get("exit_mode") != "speculative" else {**mode, "exit_controller": FixedLayerExit(1)}
     with torch.no_grad():
         out = model.generate(**batch_of(2), max_new_tokens=40, eos_token_id=None, **knobs)
@@ -1284,6 +1287,7 @@ def test_a_call_past_the_decoders_positions_stops_there_with_a_warning(monkeypat
                                   max_length=40, eos_token_id=None, **knobs)  # fmt: skip
     assert out.shape[1] == 13 and prompted.shape[1] == 13  # the newest token is never fed
     assert said and "decoding stops after 12" in said[0]
+    assert not [message for message in stock if "max_new_tokens" in message]  # the call's own bound is capped
 
 
 def test_a_decoder_cache_alone_serves_as_bart_takes_it(model):

@@ -106,15 +106,26 @@ def test_the_cache_holds_the_full_models_keys_and_values_of_the_accepted_tokens(
 
 
 @pytest.mark.parametrize("ending", [False, True])
-def test_the_full_model_continues_from_the_returned_cache(model, ending):
-    """Also for rows that ended before the others: past a row's end the cache holds what the full model computes on
-    the tokens it feeds there (its end token, then pads), once a later call reads it."""
+@pytest.mark.parametrize("passed", [False, True])
+def test_the_full_model_continues_from_the_cache(model, ending, passed):
+    """The cache a dict output returns, or the one the caller passed in: also for rows that ended before the others,
+    past a row's end it holds what the full model computes on the tokens it feeds there (its end token, then pads),
+    once a later call reads it."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    from hf_earlyexit.modeling.early_exit_cache import EarlyExitCache
+
     inputs = mixed_lengths(4, seed=3)
     end = full_greedy(model, inputs)[:, 3].mode().values.item() if ending else None  # a token several rows emit
-    out = speculative(model, inputs, CONTROLLERS["fixed"](), num_assistant_tokens=3, eos_token_id=end)
-    assert bool((out.sequences[:, -1] == 1).any()) == ending  # a row that ended before the longest one
-    prefix = dict(decoder_input_ids=out.sequences, decoder_attention_mask=torch.ones_like(out.sequences))
-    continued = full_greedy(model, {**inputs, **prefix, "past_key_values": out.past_key_values}, eos_token_id=None)
+    cache = EncoderDecoderCache(EarlyExitCache(model.config, "recompute"), DynamicCache()) if passed else None
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, exit_mode="speculative", num_assistant_tokens=3,
+                             exit_controller=CONTROLLERS["fixed"](), eos_token_id=end, past_key_values=cache,
+                             return_dict_in_generate=not passed)  # fmt: skip
+    sequences, cache = (out, cache) if passed else (out.sequences, out.past_key_values)
+    assert bool((sequences[:, -1] == 1).any()) == ending  # a row that ended before the longest one
+    prefix = dict(decoder_input_ids=sequences, decoder_attention_mask=torch.ones_like(sequences))
+    continued = full_greedy(model, {**inputs, **prefix, "past_key_values": cache}, eos_token_id=None)
     assert torch.equal(continued, full_greedy(model, {**inputs, **prefix}, eos_token_id=None))
 
 
