@@ -104,6 +104,13 @@ def grown(
     return room.view, room
 
 
+def selected_first(selected: torch.Tensor, counts: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the slots `selected` [rows, T] (`counts` [rows] of them) first, each group in order (a stable sort of
+    "not selected"), the first `width`: their indices [rows, width], and which of them are selected."""
+    order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices[:, :width]
+    return order, torch.arange(width, device=order.device)[None] < counts[:, None]
+
+
 @dataclass
 class SkippedSlots:
     """One step's slots that rows left empty (`propagate` / `copy`), to fill when a later token needs them.
@@ -314,9 +321,7 @@ class EarlyExitCache(DynamicCache):
             return None, self.pending[:, length - width :], slice(length - width, length)
         has_pending = counts > 0
         rows, waiting, counts = rows[has_pending], waiting[has_pending], counts[has_pending]
-        # Waiting slots first, each group in chronological order (a stable sort of "not waiting").
-        order = torch.sort((~waiting).to(torch.int8), dim=-1, stable=True).indices[:, :width]
-        valid = torch.arange(width, device=order.device)[None] < counts[:, None]
+        order, valid = selected_first(waiting, counts, width)
         slots = torch.where(valid, order, -1)
         return rows, self.pending[rows[:, None], order], slots
 
@@ -388,8 +393,7 @@ class EarlyExitCache(DynamicCache):
         self.fill_skipped()  # recorded steps address slots by position: fill them before the positions move
         counts = real.sum(dim=-1)
         length = int(counts.max())
-        order = torch.sort((real == 0).to(torch.int8), dim=-1, stable=True).indices[:, :length]  # [batch, length]
-        valid = torch.arange(length, device=order.device)[None] < counts[:, None]
+        order, valid = selected_first(real.bool(), counts, length)
 
         def kept(tensor: torch.Tensor, dim: int) -> torch.Tensor:  # `order` along `dim`, zeros where not `valid`
             shape = (*order.shape, *[1] * (tensor.dim() - 2))
