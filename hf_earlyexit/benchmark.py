@@ -43,7 +43,7 @@ from .measures import (
 )
 from .modeling.configuration_ofa import OFAEarlyExitConfig
 from .modeling.exit_controllers import ExitController, ExitState, FixedLayerExit, checked_decision
-from .modeling.exit_knobs import KV_STRATEGIES, NO_EXIT, ROW_EXIT_PLANS, SPECULATIVE_KNOBS, shown_knobs
+from .modeling.exit_knobs import DRAFTING_KNOBS, KV_STRATEGIES, NO_EXIT, ROW_EXIT_PLANS, shown_knobs
 from .modeling.generation_early_exit import EarlyExitSettings
 from .modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration
 
@@ -673,12 +673,12 @@ def model_benchmark(
     speculative = None
     if knobs.get("exit_mode") == "speculative":  # beside the lossy exits of the same settings and saved defaults
         speculative = knobs
-        knobs = run_knobs(
-            model, **{**{k: v for k, v in knobs.items() if k not in SPECULATIVE_KNOBS}, "exit_mode": "exit"}
-        )
+        knobs = run_knobs(model, **{**{k: v for k, v in knobs.items() if k not in DRAFTING_KNOBS}, "exit_mode": "exit"})
     if not EarlyExitSettings.from_knobs(model.config, **knobs).exits:
+        beside = " (timed beside speculative mode)" if speculative is not None else ""
         raise ValueError(
-            "No exit setting: give an exit threshold, or calibrate the model (`hf-earlyexit calibrate --write`)."
+            f"No exit setting for the lossy exits{beside}: give an exit threshold, or calibrate the model "
+            "(`hf-earlyexit calibrate --write`)."
         )
     model.to(device=device, dtype=getattr(torch, dtype))
     inputs = task_inputs(task, processor, "test", samples, batch_size, model.device)

@@ -296,6 +296,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print_report(report, args.json)
 
 
+# The options of each kind of benchmark (their `dest`), refused with another kind rather than ignored (the exit
+# knobs, with a model folder only, are checked apart).
+MODEL_BENCH = ("task", "meteor", "compiled_full", "samples", "batch_size", "full")
+RANDOM_WEIGHTS_BENCH = ("preset", "batch_sizes", "new_tokens", "image_size")
+FORCED_EXIT_BENCH = ("encoder_batch_size",)
+TRAINING_STEP_BENCH = ("exit_losses",)
+
+
 def one_process(command: str) -> None:
     """Timings run in one process per device: processes sharing a machine would time each other."""
     from .sharding import process_state
@@ -311,6 +319,11 @@ def bench_model(args: argparse.Namespace, device: "torch.device") -> dict[str, A
 
     if args.forced_exit is not None or args.training_step:
         raise ValueError("Give a model folder (task benchmark) or --forced-exit / --training-step, not both.")
+    unused = flags_set(args, (*RANDOM_WEIGHTS_BENCH, *FORCED_EXIT_BENCH, *TRAINING_STEP_BENCH))
+    if unused:
+        raise ValueError(
+            f"{unused} set up --forced-exit / --training-step: a model folder's benchmark has no use for them."
+        )
     check_samples(args)
     if args.full:
         raise ValueError("bench times the full model beside the exits anyway: drop --full.")
@@ -330,6 +343,11 @@ def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> di
         raise ValueError("Give a model folder, --forced-exit K or --training-step.")
     if args.forced_exit is not None and args.training_step:
         raise ValueError("--forced-exit and --training-step are two benchmarks: give one.")
+    other = TRAINING_STEP_BENCH if args.forced_exit is not None else FORCED_EXIT_BENCH
+    unused = [*flags_set(args, (*MODEL_BENCH, *other)), *(f"--{name.replace('_', '-')}" for name in given_knobs(args))]
+    if unused:
+        kind = "--forced-exit" if args.forced_exit is not None else "--training-step"
+        raise ValueError(f"{unused} have no meaning with {kind}, which times random weights at its own settings.")
     message = "--batch-sizes must be comma-separated integers"
     batch_sizes = tuple(parse_list(args.batch_sizes, int, message)) if args.batch_sizes else ()
     if any(size < 1 for size in batch_sizes) or args.repeats < 1 or args.new_tokens < 1:
@@ -637,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model's dtype; with MODEL_DIR too",
     )
     bench.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
-    bench.set_defaults(run=cmd_bench)
+    bench.set_defaults(run=cmd_bench, parser=bench)
 
     demo = commands.add_parser(
         "demo", help="the model that ships in the package: answers and captions with early exit vs the full model"

@@ -19,6 +19,7 @@ from .metrics import load as load_metric
 from .modeling.exit_controllers import ExitController, FixedLayerExit
 from .modeling.exit_knobs import (
     DRAFT_KNOBS,
+    DRAFTING_KNOBS,
     ENCODER_PARTS,
     NO_EXIT,
     SPECULATIVE_KNOBS,
@@ -125,7 +126,9 @@ def run_knobs(model, full: bool = False, **given: Any) -> dict[str, Any]:
     resolved = non_default_knobs(resolve_knobs(model.config, model.generation_config, **given))
     if resolved.get("exit_mode") == "speculative":  # it sets aside the saved defaults that would change its output
         set_aside = {*SPECULATIVE_KNOBS, *(DRAFT_KNOBS if drafts_with_exit_knobs(given) else ())}
-        resolved = {name: value for name, value in resolved.items() if name not in set_aside}
+    else:  # saved drafts serve speculative calls only
+        set_aside = set(DRAFTING_KNOBS)
+    resolved = {name: value for name, value in resolved.items() if name not in set_aside}
     knobs = {**resolved, **given}
     EarlyExitSettings.from_knobs(model.config, model.generation_config, **knobs)
     return knobs
@@ -257,6 +260,7 @@ def evaluate_task(
             run.encoder_exit_layers, run.decoder_exit_layers, costs, config.encoder_layers, config.decoder_layers, batch
         )
 
+    batch_size = min(batch_size, inputs.samples)  # the rows a call decoded together
     report = {
         "task": inputs.task.name,
         "split": split,

@@ -2,6 +2,7 @@
 and captions with each token coloured by the decoder layer it exited at (as BLIPEE's Figure 3). PNG files via
 matplotlib's non-interactive backend."""
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,12 +43,20 @@ def policy_of(settings: dict[str, Any]) -> str:
 
 
 def check_plot_path(path: str | Path) -> None:
-    """ValueError unless matplotlib can write an image of `path`'s kind (its suffix)."""
+    """ValueError unless matplotlib can write an image of `path`'s kind (its suffix) there: a file, in a folder
+    that exists or can be made, that this process may write."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     kinds = FigureCanvasBase.get_supported_filetypes()
-    if Path(path).suffix.lstrip(".").lower() not in kinds:
+    target = Path(path)
+    if target.suffix.lstrip(".").lower() not in kinds or target.is_dir():
         raise ValueError(f"--plot {path}: name an image file, one of {sorted(kinds)} (e.g. tradeoff.png).")
+    folder = target.absolute().parent
+    while not folder.exists():  # `save` makes the missing folders in the first one that exists
+        folder = folder.parent
+    writable = os.access(target, os.W_OK) if target.exists() else os.access(folder, os.W_OK | os.X_OK)
+    if not folder.is_dir() or not writable:
+        raise ValueError(f"--plot {path}: {folder} is not a folder this process can write the picture into.")
 
 
 def tradeoff_plot(

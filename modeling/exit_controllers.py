@@ -324,7 +324,8 @@ class ExitControllerList(ExitController, list):
 
 def checked_decision(decision: torch.Tensor, state: ExitState, controller: ExitController) -> torch.BoolTensor:
     """A controller's answer as a BoolTensor[rows], or a ValueError that names the controller. An integer tensor of
-    0 and 1 passes; a floating one is refused, since a score cast to bool would stop every row where it is not 0."""
+    0 and 1 passes (its values read once); a floating one, or an integer one holding other values, is refused, since
+    a score cast to bool would stop every row where it is not 0."""
     if not isinstance(decision, torch.Tensor) or decision.shape != (state.rows.shape[0],):
         shape = tuple(decision.shape) if isinstance(decision, torch.Tensor) else type(decision).__name__
         raise ValueError(
@@ -336,7 +337,14 @@ def checked_decision(decision: torch.Tensor, state: ExitState, controller: ExitC
             f"`exit_controller` {controller!r} must return a BoolTensor (one decision per row), got {decision.dtype}: "
             "compare a score with a threshold (`ThresholdExit` does) rather than returning the score."
         )
-    return decision if decision.dtype == torch.bool else decision.to(torch.bool)
+    if decision.dtype == torch.bool:
+        return decision
+    if not bool(((decision == 0) | (decision == 1)).all()):
+        raise ValueError(
+            f"`exit_controller` {controller!r} must return a BoolTensor (one decision per row), got {decision.dtype} "
+            f"values {sorted(set(decision.tolist()))}: an integer decision is 0 or 1."
+        )
+    return decision.to(torch.bool)
 
 
 # Policy -> its controller and options; "patience" is built apart, since its threshold is a layer count.

@@ -334,11 +334,13 @@ class RowExits:
         return state
 
     def spread(self, running_state: torch.Tensor | None) -> torch.Tensor | None:
-        """[running rows, ...] -> [batch, ...] (`output_attentions`): zeros for the rows that left the layers."""
-        if running_state is None or len(self.running) == len(self.exit_layers):
+        """[running rows, ...] -> [batch, ...] (`output_attentions`): zeros for the rows that stopped before this
+        layer, whether they left the layers or run on with the batch (`keep`), so that every plan shows the same."""
+        if running_state is None or self.waiting_count == len(self.exit_layers):
             return running_state
         state = running_state.new_zeros((len(self.exit_layers), *running_state.shape[1:]))
-        state[self.running] = running_state
+        waiting = true_positions(self.waiting, self.waiting_count)
+        state[self.running[waiting]] = running_state[waiting]
         return state
 
     def gather(self, name: str, running_state: torch.Tensor) -> torch.Tensor:

@@ -317,6 +317,15 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     assert speculative["same_outputs_as_full"] and speculative["quality"] == report["full"]["quality"]
     assert speculative["settings"]["exit_mode"] == "speculative"
     assert report["early_exit"]["settings"].get("exit_mode", "exit") == "exit"  # the lossy exits beside it
+    generation_config = GenerationConfig.from_pretrained(task_model_dir)
+    generation_config.encoder_image_exit_threshold = generation_config.encoder_text_exit_threshold = 0.5
+    generation_config.save_pretrained(task_model_dir)
+    off = ["--encoder-image-exit-threshold", "none", "--encoder-text-exit-threshold", "none", "--json"]
+    assert main([*speculative_argv, *off]) == 0  # given for both sides, over the saved ones: the lossy side keeps them
+    lossy = json.loads(capsys.readouterr().out)["early_exit"]
+    assert lossy["settings"]["encoder_image_exit_threshold"] is None
+    encoder_layers = json.loads((task_model_dir / "config.json").read_text())["encoder_layers"]
+    assert lossy["mean_layers"]["encoder_image"] == lossy["mean_layers"]["encoder_text"] == encoder_layers
     assert {"tokens_per_second", "acceptance_rate", "tokens_per_round", "speedup_over_full"} <= set(speculative)
     assert sum(speculative["round_time_shares"][part] for part in ("draft", "verification", "bookkeeping")) == (
         pytest.approx(1, abs=0.01)
@@ -465,6 +474,14 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
         (["bench", "--forced-exit", "1", "--training-step"], "give one"),
         (["bench", "--training-step", "--batch-sizes", "1,8"], "one batch size"),
         (["calibrate", "{m}", "--tasks", "vqa", "--plot", "{t}/tradeoff.txt"], "name an image file"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--plot", "{m}/config.json/x.png"], "config.json is not a folder"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--plot", "{m}"], "name an image file"),
+        (["bench", "{m}", "--task", "vqa", "--batch-sizes", "8"], "['--batch-sizes'] set up --forced-exit"),
+        (["bench", "{m}", "--task", "vqa", "--preset", "tiny"], "['--preset'] set up --forced-exit"),
+        (["bench", "--forced-exit", "1", "--row-exit", "keep"], "['--row-exit'] have no meaning with --forced-exit"),
+        (["bench", "--forced-exit", "1", "--task", "vqa", "--samples", "0"], "['--task', '--samples'] have no"),
+        (["bench", "--forced-exit", "1", "--exit-losses", "none"], "['--exit-losses'] have no meaning"),
+        (["bench", "--training-step", "--encoder-batch-size", "2"], "['--encoder-batch-size'] have no meaning"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--risk", "0.1"], "['--risk'] have no meaning"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--max-exit-layers", "1"], "['--max-exit-layers'] have"),
         (["calibrate", "{m}", "--tasks", "vqa", "--draft-tokens", "8"], "['--draft-tokens'] time speculative"),

@@ -112,6 +112,8 @@ def test_run_knobs_in_speculative_mode_keep_the_saved_drafts_unless_the_exit_is_
     assert run_knobs(model, exit_mode="speculative", exit_threshold=0.5, draft_exit_threshold=0.4) == {
         **drafting, "exit_threshold": 0.5, "draft_exit_threshold": 0.4,
     }  # fmt: skip
+    # A lossy run's report names no saved draft: drafts serve speculative calls only.
+    assert run_knobs(model) == {"exit_threshold": 0.8, "exit_policy": "confidence", "kv_strategy": "copy"}
 
 
 def test_evaluate_task_reports_scores_and_the_flops_time_reduction():
@@ -125,6 +127,8 @@ def test_evaluate_task_reports_scores_and_the_flops_time_reduction():
     assert report["expected_time_reduction_flops"] <= report["expected_time_reduction_flops_per_row"]
     full = evaluate_task(model, processor, "vqa", split="validation", samples=4, batch_size=2)
     assert full["settings"] == {} and full["expected_time_reduction_flops"] == 0
+    fewer = evaluate_task(model, processor, "vqa", split="validation", samples=4, batch_size=32, knobs=knobs)
+    assert fewer["batch_size"] == 4  # the rows decoded together, not the option
     speculative = {**knobs, "exit_mode": "speculative"}
     report = evaluate_task(model, processor, "vqa", split="validation", samples=4, batch_size=2, knobs=speculative)
     assert report["scores"] == full["scores"]  # the full model's answers

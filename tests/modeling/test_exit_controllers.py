@@ -186,6 +186,8 @@ def test_a_user_controller_that_returns_scores_is_refused_not_cast():
     with pytest.raises(ValueError, match=r"must return a BoolTensor .* got torch.float32"):
         checked_decision(torch.tensor([0.01, 0.0, 0.9]), exit_state, FixedLayerExit(1))
     assert checked_decision(torch.tensor([1, 0, 1]), exit_state, FixedLayerExit(1)).tolist() == [True, False, True]
+    with pytest.raises(ValueError, match=r"got torch.int64 values \[-1, 0, 2\]: an integer decision is 0 or 1"):
+        checked_decision(torch.tensor([2, 0, -1]), exit_state, FixedLayerExit(1))  # e.g. a predicted layer count
 
 
 @pytest.mark.parametrize(

@@ -198,7 +198,8 @@ def test_cache_step_equals_full_prefix_logits():
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_compacted_rows_return_every_layers_attentions(attn_implementation):
     """Under `row_exit="compact"` deeper layers run on the remaining rows only, reading the batch's cache by runs of
-    rows: each layer's attentions must still come back, the running rows' as under `keep`, zeros for rows that left."""
+    rows: each layer's attentions must still come back as under `keep`, zeros for rows that stopped (under `keep`
+    they run on with the batch, but their outputs are their exit's)."""
     depth = 4
     model = tiny_model(attn_implementation=attn_implementation, decoder_layers=depth, encoder_layers=3)
     inputs = tiny_inputs(batch=4, seed=4)
@@ -219,8 +220,8 @@ def test_compacted_rows_return_every_layers_attentions(attn_implementation):
             for name in ("decoder_attentions", "cross_attentions"):
                 ours, theirs = getattr(compacted, name)[step][layer], getattr(kept, name)[step][layer]
                 assert ours is not None, f"step {step}, layer {layer}: no {name}"
-                torch.testing.assert_close(ours[running], theirs[running], atol=1e-5, rtol=0)
-                assert not ours[~running].any()
+                torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+                assert not ours[~running].any() and theirs[running].any()
 
 
 def test_decoding_from_the_position_table_equals_the_per_step_biases():
