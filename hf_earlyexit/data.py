@@ -173,6 +173,13 @@ class ImageTextCollator:
     labels: bool = True
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        columns = [self.image_column, *([self.text_column] if self.text_column else []), self.target_column]
+        missing = [column for column in columns if column not in rows[0]]
+        if missing:
+            raise ValueError(
+                f"The rows have no column(s) {missing}; their columns are {sorted(rows[0])}: name the collator's "
+                "`image_column`, `text_column` and `target_column`."
+            )
         images = [row[self.image_column] for row in rows]
         images = [Image.open(image) if isinstance(image, str) else image for image in images]
         images = [image.convert("RGB") for image in images]

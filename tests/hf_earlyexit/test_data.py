@@ -112,6 +112,11 @@ def test_collator_uses_the_fixed_prompt_without_a_text_column(processor):
     assert processor.batch_decode(batch["input_ids"], skip_special_tokens=True) == [" what does the image describe?"]
 
 
+def test_collator_names_the_columns_the_rows_lack(processor):
+    with pytest.raises(ValueError, match=r"no column\(s\) \['caption'\]; their columns are \['answer', 'image'"):
+        ImageTextCollator(processor, target_column="caption")([shapes_dataset()[0]])
+
+
 def test_load_image_text_dataset_from_disk_and_by_loader(tmp_path):
     shapes_dataset().save_to_disk(tmp_path / "saved")
     assert len(load_image_text_dataset(str(tmp_path / "saved"), columns=["image", "answer"])) == 8
