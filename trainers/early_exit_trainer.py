@@ -76,7 +76,15 @@ class EarlyExitTrainer(Seq2SeqTrainer):
     def __init__(self, model: nn.Module | None = None, args: EarlyExitTrainingArguments | None = None, **kwargs):
         if not isinstance(args, EarlyExitTrainingArguments):
             raise ValueError(f"`args` must be EarlyExitTrainingArguments, got {type(args).__name__}.")
+        own_generation_config = getattr(model, "generation_config", None)
         super().__init__(model=model, args=args, **kwargs)
+        # Seq2SeqTrainer makes `args.generation_config` the model's, saved with it: the settings of an evaluation
+        # (exit knobs, lengths) would become the model's defaults, and its special tokens and calibrated exits would
+        # be lost. Here it serves the evaluation's `generate` alone, over the model's own.
+        self.evaluation_generation_config = None
+        if args.generation_config is not None and own_generation_config is not None:
+            self.evaluation_generation_config = self.model.generation_config
+            self.model.generation_config = own_generation_config
         # Our forward takes no loss kwargs, but compute_loss does: this makes the Trainer count the label tokens.
         self.model_accepts_loss_kwargs = True
         # The Trainer writes `args.use_cache` (False) into the config, which would then be saved with the model;
@@ -252,7 +260,13 @@ class EarlyExitTrainer(Seq2SeqTrainer):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Seq2SeqTrainer's, with the loss training minimises (`compute_loss`) as `eval_loss` also when it generates
         (its generating step takes the final layer's cross-entropy alone, which made `eval_loss` change meaning) and
-        when a label-free loss has no labels (the Trainer computes a loss only from labels)."""
+        when a label-free loss has no labels (the Trainer computes a loss only from labels); generating under
+        `args.generation_config`, if given, over the model's own."""
+        if self.evaluation_generation_config is not None:
+            gen_kwargs = {
+                "generation_config": self.evaluation_generation_config,
+                **(gen_kwargs or getattr(self, "_gen_kwargs", {})),
+            }
         loss, generated, labels = super().prediction_step(
             model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs
         )

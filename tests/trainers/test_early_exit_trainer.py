@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import GenerationConfig
 
 from hf_earlyexit import EarlyExitTrainer, EarlyExitTrainingArguments
 from hf_earlyexit.modeling.exit_controllers import FixedLayerExit
@@ -255,6 +256,32 @@ def test_a_trained_model_generates_with_exits_and_saves_use_cache(tmp_path):
         **tiny_inputs(batch=2), max_new_tokens=4, exit_threshold=0.5, return_dict_in_generate=True
     )
     assert out.exit_layers.shape == (2, out.sequences.shape[1] - 1)
+
+
+def test_an_evaluations_generation_config_is_not_saved_as_the_models(tmp_path):
+    """Seq2SeqTrainer makes `args.generation_config` the model's; an evaluation's exit knobs and lengths must not
+    become the saved defaults, nor the model's special tokens and calibrated exits be lost."""
+    model = tiny_model(decoder_layers=DEPTH)
+    model.generation_config.encoder_exit_threshold = 0.9  # what `calibrate --write` saves
+    own = model.generation_config.to_dict()
+    evaluation = GenerationConfig(max_new_tokens=3, exit_threshold=0.0, exit_policy="confidence")
+    layers = []
+    trainer = EarlyExitTrainer(
+        model=model,
+        args=arguments(tmp_path, predict_with_generate=True, generation_config=evaluation),
+        eval_dataset=TinyCaptions(),
+        compute_metrics=lambda prediction: {"rows": float(len(prediction.label_ids))},
+    )
+    trainer.model.register_forward_hook(lambda module, args, output: layers.append(output.exit_layers))
+    assert trainer.evaluate()["eval_rows"] == 8.0  # the model's own decoder start token: it generates
+    # Three steps of `generate` (max_new_tokens), every token after layer 1 (threshold 0); the loss passes run all.
+    steps = [int(step.max()) for step in layers if step is not None]
+    assert steps.count(1) == 3 and set(steps) == {1, DEPTH}
+    trainer.save_model()
+    saved = GenerationConfig.from_pretrained(tmp_path / "out").to_dict()
+    kept = ("decoder_start_token_id", "bos_token_id", "eos_token_id", "forced_eos_token_id", "encoder_exit_threshold")
+    assert {name: saved.get(name) for name in kept} == {name: own.get(name) for name in kept}
+    assert saved.get("exit_threshold") is None and saved["max_new_tokens"] is None
 
 
 def test_resume_from_a_checkpoint_continues_the_same_loss_curve(tmp_path):
