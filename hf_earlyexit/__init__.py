@@ -20,6 +20,7 @@ from .modeling.exit_controllers import (
     PatienceExit,
     SimilarityExit,
 )
+from .modeling.exit_knobs import NO_EXIT
 from .modeling.generation_early_exit import EarlyExitSettings
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from .publishing import PublishError, publish
@@ -43,6 +44,7 @@ __all__ = [
     "ExitControllerList",
     "ExitState",
     "FixedLayerExit",
+    "NO_EXIT",
     "PatienceExit",
     "PublishError",
     "SimilarityExit",

@@ -156,8 +156,10 @@ class EarlyExitSettings:
         )
         if conflicts:
             raise ValueError(
-                '`exit_mode="speculative"` runs the encoder in full and drafts with `kv_strategy="recompute"` and '
-                f'`row_exit="compact"`, so that the output is the full model\'s: drop {conflicts}.'
+                '`exit_mode="speculative"` sets these knobs itself, so that the output is the full model\'s (the '
+                'encoder runs in full; drafts keep exact keys and values, `kv_strategy="recompute"` and '
+                '`row_exit="compact"`, and stop where their own exit, `draft_exit_*`, says; the verification runs the '
+                f"rest): drop {conflicts}."
             )
         fixed = {name: value for name, value in SPECULATIVE_KNOBS.items() if not name.endswith("_exit_threshold")}
         parts = dict.fromkeys(ENCODER_PARTS)  # the encoder runs in full

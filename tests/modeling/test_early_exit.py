@@ -1043,6 +1043,23 @@ def test_encoder_exits_alone_decode_without_the_cache_and_saved_decoder_exits_re
         del model.generation_config.exit_threshold
 
 
+def test_no_exit_asks_for_the_full_model_whatever_is_saved():
+    import hf_earlyexit
+
+    model = tiny_model(decompose_encoder_modalities=True, decoder_layers=4)
+    inputs, kwargs = batch_of(3), dict(max_new_tokens=4, return_dict_in_generate=True)
+    with torch.no_grad():
+        full = model.generate(**inputs, **kwargs)
+        saved = {"exit_threshold": 0.0, "exit_policy": "confidence", "encoder_image_exit_threshold": -1.0}
+        for name, value in saved.items():  # what `calibrate --write` saves
+            setattr(model.generation_config, name, value)
+        exits = model.generate(**inputs, **kwargs)
+        again = model.generate(**inputs, **kwargs, **hf_earlyexit.NO_EXIT)
+    assert int(exits.exit_layers.max()) == 1 and int(exits.encoder_exit_layers[:, 0].max()) == 1
+    assert torch.equal(again.sequences, full.sequences) and torch.equal(again.exit_layers, full.exit_layers)
+    assert torch.equal(again.encoder_exit_layers, full.encoder_exit_layers)
+
+
 def test_concurrent_generate_calls_with_different_knobs_equal_serial_ones():
     import threading
 

@@ -490,6 +490,10 @@ def test_a_bad_saved_draft_threshold_is_refused_in_every_mode(model):
         (dict(exit_mode="speculative", exit_threshold=0.5, kv_strategy="copy"), "kv_strategy"),
         (dict(exit_mode="speculative", exit_threshold=0.5, row_exit="keep"), "row_exit"),
         (dict(exit_mode="speculative", exit_threshold=0.5, exit_token_layer="batch"), "exit_token_layer"),
+        (
+            dict(exit_mode="speculative", exit_threshold=0.5, max_exit_layer=1),
+            r"sets these knobs itself.*drop \['max_exit_layer=1'\]",
+        ),
         (dict(exit_mode="speculative", exit_threshold=0.5, encoder_exit_threshold=0.9), "encoder_exit_threshold"),
         (dict(exit_mode="speculative", exit_threshold=0.5, output_hidden_states=True), "output_hidden_states"),
         (dict(exit_mode="lossless"), "exit_mode"),
