@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .data import CAPTION_PROMPT
-from .loading import build_processor, load_image, load_model_and_processor
+from .loading import load_image, load_model_and_processor
 from .modeling.exit_knobs import (
     EXIT_KNOBS,
     EXIT_MODES,
@@ -98,12 +98,10 @@ def with_default_samples(args: argparse.Namespace, samples: int, batch_size: int
 def cmd_convert(args: argparse.Namespace) -> None:
     from .convert import convert_checkpoint
 
-    model = convert_checkpoint(args.source, args.target, progress=True)
+    model = convert_checkpoint(args.source, args.target, True, args.tokenizer, args.image_size)
     print(f"converted {args.source} -> {args.target} ({model.num_parameters() / 1e6:.1f}M parameters)")
     if args.tokenizer:
-        processor = build_processor(args.tokenizer, args.image_size, model.config.vocab_size)
-        processor.save_pretrained(args.target)
-        print(f"saved the processor ({len(processor.tokenizer)} tokens, {args.image_size}px images)")
+        print(f"saved the processor ({model.config.vocab_size} tokens, {args.image_size}px images)")
 
 
 def cmd_caption(args: argparse.Namespace) -> None:

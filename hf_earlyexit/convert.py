@@ -143,7 +143,8 @@ def _torch_load(path: Path) -> dict:
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:
             raise ValueError(
-                f"Could not read {path} with weights_only=True ({error}). Re-save just its weights, e.g. "
+                f"Could not read {path} with weights_only=True ({str(error).splitlines()[0]}). Re-save just its "
+                "weights, e.g. "
                 "torch.save(checkpoint['model'], 'weights.pt'), and convert that file."
             ) from error
 
@@ -255,15 +256,39 @@ def load_converted_model(
     return model.eval()
 
 
+def check_new_folder(target: str | Path, source: str | Path) -> None:
+    """ValueError unless `target` is a folder to make, or an empty one: a conversion never writes over earlier work
+    (a model there would keep its other files beside the new weights, and `source` itself would be lost)."""
+    target = Path(target)
+    if target.exists() and target.resolve() == Path(source).resolve():
+        raise ValueError(f"Converting {source} into itself would overwrite the checkpoint: give another folder.")
+    if target.is_file() or (target.is_dir() and any(target.iterdir())):
+        raise ValueError(f"{target} already holds files: convert into a new or empty folder.")
+
+
 def convert_checkpoint(
-    source: str | Path, target: str | Path, progress: bool = False
+    source: str | Path,
+    target: str | Path,
+    progress: bool = False,
+    tokenizer_dir: str | Path | None = None,
+    image_size: int = 384,
 ) -> EarlyExitOFAForConditionalGeneration:
-    """Convert an official OFA checkpoint at `source` and save it (safetensors + remote code) to `target`.
-    `progress`: each stage is announced on stderr once the checkpoint has been read."""
+    """Convert an official OFA checkpoint at `source` and save it (safetensors + remote code) to `target`, a new or
+    empty folder; with `tokenizer_dir`, the processor too (`build_processor`, square `image_size` images), checked
+    against the vocabulary before anything is written. `progress`: each stage is announced on stderr once the
+    checkpoint has been read."""
+    from .loading import build_processor
+
+    check_new_folder(target, source)
+    if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
+        raise ValueError(f"No tokenizer folder at {tokenizer_dir}.")
     state_dict, port_config = load_official_checkpoint(source)
     if progress:
         print(f"read {source}; converting and saving to {target} ...", file=sys.stderr, flush=True)
     state_dict = clean_state_dict(state_dict)
     model = load_converted_model(state_dict, infer_config(state_dict, port_config))
+    processor = build_processor(tokenizer_dir, image_size, model.config.vocab_size) if tokenizer_dir else None
     model.save_pretrained(target)
+    if processor is not None:
+        processor.save_pretrained(target)
     return model

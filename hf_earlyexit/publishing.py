@@ -113,11 +113,12 @@ def assemble(
         raise ValueError(f"No plot at {plot}.")
     elif not Path(plot).read_bytes().startswith(PNG_SIGNATURE):
         raise ValueError(f"{plot} is not a PNG image: the card shows it as tradeoff.png.")
+    # Both read before an earlier assembly is removed: a folder that lacks one fails with that assembly kept.
+    model = EarlyExitOFAForConditionalGeneration.from_pretrained(model_dir)
+    processor = OFAProcessor.from_pretrained(model_dir)
     if check_replaceable(output_dir, model_dir):
         shutil.rmtree(output_dir)
-
-    model = EarlyExitOFAForConditionalGeneration.from_pretrained(model_dir)
-    OFAProcessor.from_pretrained(model_dir).save_pretrained(output_dir)
+    processor.save_pretrained(output_dir)
     model.save_pretrained(output_dir)  # safetensors, config (auto_map) and the remote-code files
     for name in RECORDS:
         if (model_dir / name).is_file():

@@ -65,8 +65,10 @@ def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_to
     )
     assert status == 2  # the fixture's 1000-token vocabulary cannot take the 59457-token OFA tokenizer
     err = capsys.readouterr().err
-    assert f"converting and saving to {tmp_path / 'out'} ..." in err  # the conversion itself went through
     assert "59457 tokens but the model's vocabulary has 1000" in err
+    assert not (tmp_path / "out").exists()  # checked before anything is written: no model without its processor
+    argv = ["convert", "--from", str(reference_fixture), "--to", str(tmp_path / "out"), "--tokenizer", "/nowhere"]
+    assert main(argv) == 2 and "No tokenizer folder at /nowhere" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,24 @@ def test_a_renamed_or_missing_key_is_an_error_that_lists_it(reference_fixture, t
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
 
 
+def test_converting_never_writes_over_earlier_work(reference_fixture, tmp_path):
+    source = copy_port_checkpoint(reference_fixture, tmp_path / "port")
+    before = {path.name: path.read_bytes() for path in source.iterdir()}
+    with pytest.raises(ValueError, match="into itself would overwrite the checkpoint"):
+        convert_checkpoint(source, source)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")  # e.g. another model's files
+    (tmp_path / "a_file").write_text("")
+    for target in ("model", "a_file"):
+        with pytest.raises(ValueError, match="already holds files: convert into a new or empty folder"):
+            convert_checkpoint(source, tmp_path / target)
+    assert {path.name: path.read_bytes() for path in source.iterdir()} == before
+    assert [path.name for path in (tmp_path / "model").iterdir()] == ["tokenizer.json"]
+    (tmp_path / "empty").mkdir()
+    convert_checkpoint(source, tmp_path / "empty")  # an empty folder is a new one
+    assert (tmp_path / "empty" / "model.safetensors").exists()
+
+
 def test_config_that_disagrees_with_the_weights_is_an_error(reference_fixture, tmp_path):
     source = copy_port_checkpoint(reference_fixture, tmp_path / "port")
     config = json.loads((source / "config.json").read_text())

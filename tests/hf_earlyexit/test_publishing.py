@@ -269,6 +269,20 @@ def test_a_previous_assembly_is_replaced_but_nothing_a_user_put_beside_it(model_
     assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
 
 
+def test_a_model_folder_without_a_processor_fails_before_an_earlier_assembly_is_removed(
+    model_dir, tmp_path, no_validation
+):
+    out, bare = tmp_path / "out", tmp_path / "bare"
+    publish(model_dir, REPO_ID, output_dir=out, dry_run=True)
+    bare.mkdir()
+    for path in model_dir.iterdir():  # the weights and records, as `convert` without `--tokenizer` leaves them
+        if "token" not in path.name and "processor" not in path.name and path.name not in ("vocab.json", "merges.txt"):
+            (bare / path.name).write_bytes(path.read_bytes())
+    with pytest.raises(OSError):
+        publish(bare, REPO_ID, output_dir=out, dry_run=True)
+    assert (out / "model.safetensors").is_file() and (out / "README.md").is_file()
+
+
 def test_an_output_folder_holding_the_model_folder_is_refused_before_anything_is_removed(model_dir, tmp_path):
     """`publish trainout/checkpoint-2 --output-dir trainout` would have removed the checkpoint it publishes."""
     parent = tmp_path / "trainout"
