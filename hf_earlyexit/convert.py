@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from .loading import build_processor
 from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from .modeling.configuration_ofa import PATCH_STEM, RESNET_LAYERS
 
@@ -277,8 +278,6 @@ def convert_checkpoint(
     empty folder; with `tokenizer_dir`, the processor too (`build_processor`, square `image_size` images), checked
     against the vocabulary before anything is written. `progress`: each stage is announced on stderr once the
     checkpoint has been read."""
-    from .loading import build_processor
-
     check_new_folder(target, source)
     if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
         raise ValueError(f"No tokenizer folder at {tokenizer_dir}.")
