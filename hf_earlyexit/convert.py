@@ -145,8 +145,7 @@ def _torch_load(path: Path) -> dict:
         except Exception as error:
             raise ValueError(
                 f"Could not read {path} with weights_only=True ({str(error).splitlines()[0]}). Re-save just its "
-                "weights, e.g. "
-                "torch.save(checkpoint['model'], 'weights.pt'), and convert that file."
+                "weights, e.g. torch.save(checkpoint['model'], 'weights.pt'), and convert that file."
             ) from error
 
 
