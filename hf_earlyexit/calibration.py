@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .benchmark import measure_part_costs
-from .evaluation import Asks, TaskInputs, risk_losses, run_task, score, task_inputs
+from .evaluation import Asks, TaskInputs, risk_losses, run_task, score, split_task_inputs, task_inputs
 from .measures import PartCosts, encoder_streams, expected_time_reduction
 from .modeling.exit_controllers import SimilarityExit, make_controller
 from .modeling.exit_knobs import DRAFTING_KNOBS, ENCODER_PARTS, EXIT_KNOBS
@@ -325,7 +325,8 @@ def calibrate(
         )
         if levels is not None:
             given = inputs.samples
-            ordering_inputs, inputs = inputs.split_at(max(1, round(ORDERING_SHARE * given)))
+            first = max(1, round(ORDERING_SHARE * given))
+            ordering_inputs, inputs = split_task_inputs(inputs, first, processor, split, model.device)
             if not inputs.batches:
                 raise ValueError(
                     f"{name}: {given} samples are too few to both order the grid (on {ORDERING_SHARE:.0%} of them) and "

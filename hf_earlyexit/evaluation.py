@@ -105,6 +105,22 @@ class TaskInputs:
         )
 
 
+def split_task_inputs(
+    inputs: TaskInputs, first: int, processor, split: str, device: str | torch.device = "cpu"
+) -> tuple[TaskInputs, TaskInputs]:
+    """`inputs` (the first rows of `split`) as two: their first `first` rows and the rest, each in batches of the
+    same size (the rest empty when there is none)."""
+    rows = inputs.task.dataset(split, size=inputs.samples)
+    size, first = inputs.batches[0]["input_ids"].shape[0], min(first, len(rows))
+    parts = [list(range(first)), list(range(first, len(rows)))]
+    return tuple(
+        TaskInputs.build(inputs.task, processor, rows.select(part), size, device)
+        if part
+        else TaskInputs(inputs.task, [], [])
+        for part in parts
+    )
+
+
 def task_inputs(
     name: str, processor, split: str, samples: int, batch_size: int, device: str | torch.device = "cpu"
 ) -> TaskInputs:

@@ -145,11 +145,14 @@ def test_calibrate_with_a_risk_orders_on_a_tenth_and_certifies_on_the_rest(tmp_p
     report = calibrate(model, processor, ["vqa"], **sweep, risk=0.5, delta=0.2, progress=False, write_to=tmp_path)
     certificate = report["tasks"]["vqa"]["certificate"]
     assert report["chosen"] == {"exit_policy": "confidence", "exit_threshold": 1.0}
-    assert (certificate["ordering_samples"], certificate["tested_samples"]) == (2, 6)
-    assert certificate["empirical_risk"] == 0 and certificate["p_value"] == pytest.approx(0.5**6)  # no error in 6
+    assert (certificate["ordering_samples"], certificate["tested_samples"]) == (1, 7)  # a tenth, not a batch
+    assert certificate["empirical_risk"] == 0 and certificate["p_value"] == pytest.approx(0.5**7)  # no error in 7
     assert json.loads((tmp_path / "calibration.json").read_text())["tasks"]["vqa"]["certificate"] == certificate
 
-    report = calibrate(model, processor, ["vqa"], **sweep, risk=0.01, delta=0.2, progress=False)  # 6 cannot certify
+    wide = calibrate(model, processor, ["vqa"], **{**sweep, "batch_size": 16}, risk=0.5, delta=0.2, progress=False)
+    assert wide["tasks"]["vqa"]["certificate"] == certificate  # a batch wider than the samples splits the same
+
+    report = calibrate(model, processor, ["vqa"], **sweep, risk=0.01, delta=0.2, progress=False)  # 7 cannot certify
     stopped = report["tasks"]["vqa"]["certificate"]["stopped_at"]
     assert report["chosen"] is None and report["tasks"]["vqa"]["certificate"]["certified_settings"] == 0
     assert stopped["settings"] == {"exit_policy": "confidence", "exit_threshold": 1.0}
@@ -157,7 +160,7 @@ def test_calibrate_with_a_risk_orders_on_a_tenth_and_certifies_on_the_rest(tmp_p
     with pytest.raises(ValueError, match=r"No setting is certified .*vqa 1.0%.* \{'vqa': 161\}: nothing written"):
         save_calibration(model, report, tmp_path)
     with pytest.raises(ValueError, match="samples are too few"):
-        calibrate(model, processor, ["vqa"], **{**sweep, "samples": 2}, risk=0.5, progress=False)
+        calibrate(model, processor, ["vqa"], **{**sweep, "samples": 1}, risk=0.5, progress=False)
 
 
 def test_writing_a_choice_resets_the_lossy_knobs_it_does_not_set(tmp_path):
