@@ -36,6 +36,8 @@ ENCODER_THRESHOLDS = (0.9, 0.93, 0.95, 0.98)
 # The order only needs each setting's expected time reduction, an average over many tokens and layers that a tenth
 # of the samples already ranks; what can be certified grows with the tested samples.
 ORDERING_SHARE = 0.1
+DEFAULT_TOLERANCE = 0.01  # the quality a chosen setting may lose against the full model
+DEFAULT_DELTA = 0.1  # a certificate's error level
 
 
 @dataclass
@@ -273,8 +275,8 @@ def calibrate(
     split: str = "validation",
     samples: int = 300,
     batch_size: int = 64,
-    tolerance: float = 0.01,
-    delta: float = 0.1,
+    tolerance: float = DEFAULT_TOLERANCE,
+    delta: float = DEFAULT_DELTA,
     decoder_thresholds: dict[str, Sequence[float]] = DECODER_THRESHOLDS,
     encoder_thresholds: Sequence[float] = ENCODER_THRESHOLDS,
     batch_rules: Sequence[dict[str, Any]] = ({},),

@@ -163,6 +163,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         return
     from .calibration import (
         DECODER_THRESHOLDS,
+        DEFAULT_DELTA,
+        DEFAULT_TOLERANCE,
         ENCODER_THRESHOLDS,
         calibrate,
         check_tolerance,
@@ -178,6 +180,10 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         raise ValueError(f"{unused} time speculative drafts: they have no meaning without --exit-mode speculative.")
     if args.risk and flags_set(args, ("tolerance",)):
         raise ValueError("--risk certifies in place of --tolerance's quality bound: give one of them.")
+    if not args.risk and flags_set(args, ("delta",)):
+        raise ValueError("--delta is the error level of --risk's certificate: give --risk, or drop --delta.")
+    args.tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    args.delta = DEFAULT_DELTA if args.delta is None else args.delta
     risk = parse_risk(args.risk) if args.risk else None
     risk_levels(risk, task_list(args.tasks), args.delta)  # checked before the model loads
     check_tolerance(args.tolerance)
@@ -562,14 +568,14 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("model_dir")
     calibrate.add_argument("--tasks", default="vqa,entailment,caption", help="comma-separated (default: all three)")
     calibrate.add_argument("--split", default="validation", choices=["train", "validation", "test", "calibration"])
-    calibrate.add_argument("--tolerance", type=float, default=0.01, help="quality loss allowed (default 0.01 = 1%%)")
+    calibrate.add_argument("--tolerance", type=float, help="quality loss allowed (default 0.01 = 1%%)")
     calibrate.add_argument(
         "--risk",
         help="certify instead (Learn then Test): the fastest setting whose risk against the full model is at most "
         "this with probability 1 - delta (answers: share that differ; captions: relative CIDEr drop); one level, "
         "or per task: vqa=0.02,caption=0.1",
     )
-    calibrate.add_argument("--delta", type=float, default=0.1, help="with --risk: the error level (default 0.1)")
+    calibrate.add_argument("--delta", type=float, help="with --risk: the error level (default 0.1)")
     calibrate.add_argument(
         "--encoder-thresholds", help="encoder streams' similarity thresholds, comma-separated ('' = none)"
     )

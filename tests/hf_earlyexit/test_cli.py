@@ -489,6 +489,8 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
         (["calibrate", "{m}", "--tasks", "vqa", "--draft-tokens", "8"], "['--draft-tokens'] time speculative"),
         (["calibrate", "{m}", "--tasks", "vqa", "--draft-vocabulary-size", "9"], "['--draft-vocabulary-size'] time"),
         (["calibrate", "{m}", "--tasks", "vqa", "--risk", "0.1", "--tolerance", "0.5"], "give one of them"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--risk", "0.1", "--tolerance", "0.01"], "give one of them"),
+        (["calibrate", "{m}", "--tasks", "vqa", "--delta", "0.5"], "--delta is the error level of --risk's"),
     ],
 )
 def test_task_command_errors_are_one_line(task_model_dir, tmp_path, capsys, argv, message):
