@@ -17,6 +17,7 @@ threshold of 1.0 (similarity, confidence) never stops anything.
 """
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -367,7 +368,7 @@ def make_controller(
     if policy == "patience":
         if (
             isinstance(threshold, bool)
-            or not isinstance(threshold, (int, float))
+            or not isinstance(threshold, numbers.Real)
             or not float(threshold).is_integer()
             or threshold < 1
         ):
@@ -390,7 +391,7 @@ class FixedLayerExit(ExitController):
     """
 
     def __init__(self, layer: int | Callable[[ExitState], torch.Tensor]):
-        if not callable(layer) and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 1):
+        if not callable(layer) and (isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or layer < 1):
             raise ValueError(f"`layer` must be a positive int or a callable, got {layer!r}.")
         self.layer = layer
 

@@ -11,6 +11,7 @@ read it.
 
 import difflib
 import functools
+import numbers
 from typing import Any, Literal, get_args
 
 from transformers.utils import logging
@@ -108,7 +109,7 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
         if name not in values or (name == "max_exit_layer" and values[name] is None):
             continue
         layer, depth = values[name], getattr(config, depth_field)
-        if isinstance(layer, bool) or not isinstance(layer, int):
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):  # NumPy's too
             raise ValueError(f"`{name}` must be an integer, got {layer!r}.")
         if not 1 <= layer <= depth:
             raise ValueError(f"`{name}` must lie in [1, {depth}] (`{depth_field}`), got {layer}.")
@@ -121,13 +122,13 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
         threshold = values.get(name)
         if threshold is None:
             continue
-        numbers = threshold.tolist() if hasattr(threshold, "tolist") else threshold  # a 1-D tensor: one per row
-        numbers = numbers if isinstance(numbers, (list, tuple)) and numbers else [numbers]
-        if any(isinstance(value, bool) or not isinstance(value, (int, float)) for value in numbers):
+        per_row = threshold.tolist() if hasattr(threshold, "tolist") else threshold  # a 1-D tensor: one per row
+        per_row = per_row if isinstance(per_row, (list, tuple)) and per_row else [per_row]
+        if any(isinstance(value, bool) or not isinstance(value, numbers.Real) for value in per_row):
             raise ValueError(
                 f"`{name}` must be a number, one number per row (a list or 1-D tensor), or None, got {threshold!r}."
             )
-        if bounds is not None and not all(bounds[0] <= value <= bounds[1] for value in numbers):
+        if bounds is not None and not all(bounds[0] <= value <= bounds[1] for value in per_row):
             raise ValueError(f"`{name}` is a cosine similarity and must lie in {list(bounds)}, got {threshold}.")
     check_batch_rules(values)
     check_draft_batch_size(values.get("draft_max_batch_size"))
@@ -138,7 +139,7 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
 def check_batch_rules(values: dict[str, Any]) -> None:
     """The decoder's batch-level rules: a fraction in (0, 1], and tokens from the batch's layer only for kept rows."""
     fraction = values.get("batch_stop_fraction", 1.0)
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 < fraction <= 1:
         raise ValueError(f"`batch_stop_fraction` must be a number in (0, 1], got {fraction!r}.")
     if values.get("exit_token_layer") == "batch" and values.get("row_exit") == "compact":
         raise ValueError(
@@ -149,7 +150,7 @@ def check_batch_rules(values: dict[str, Any]) -> None:
 
 def check_draft_batch_size(size: Any) -> None:
     """`draft_max_batch_size`: a positive integer, or None (speculative mode drafts at any batch size)."""
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+    if size is not None and (isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1):
         raise ValueError(f"`draft_max_batch_size` must be a positive integer or None, got {size!r}.")
 
 
@@ -161,7 +162,7 @@ def check_draft_vocabulary(vocabulary: Any, vocab_size: int) -> None:
     ids = vocabulary.tolist() if hasattr(vocabulary, "tolist") else vocabulary
     if not isinstance(ids, (list, tuple)) or not ids:
         raise ValueError(f"`draft_vocabulary` must be a non-empty list of token ids or None, got {vocabulary!r}.")
-    wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size]
     if wrong:
         raise ValueError(f"`draft_vocabulary` must hold token ids in [0, {vocab_size}), got {wrong[:5]}.")
     if len(set(ids)) != len(ids):

@@ -11,6 +11,7 @@ during the call. The layers each part ran come back in the model's outputs (`exi
 import contextlib
 import copy
 import dataclasses
+import numbers
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -634,7 +635,7 @@ def check_draft_length(draft_tokens: Any, schedule: Any) -> None:
     """Speculative mode's draft length: a whole number of drafts per round, at least 1, and a schedule that
     Transformers names (None: the defaults)."""
     if draft_tokens is not None and (
-        isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1
+        isinstance(draft_tokens, bool) or not isinstance(draft_tokens, numbers.Integral) or draft_tokens < 1
     ):
         raise ValueError(f"`num_assistant_tokens` is the drafts per round, a whole number >= 1; got {draft_tokens!r}.")
     if schedule is not None and schedule not in DRAFT_SCHEDULES:

@@ -1,5 +1,6 @@
 """Early exit in the model and in `generate`: invariants, the KV strategies, encoder exits, knobs and bad input."""
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -933,6 +934,25 @@ def test_a_model_config_knob_the_generation_config_outranks_is_said_once(monkeyp
 def test_bad_knobs_raise_value_errors_naming_them(model, knobs, message):
     with pytest.raises(ValueError, match=message):
         model.generate(**batch_of(4), max_new_tokens=3, **knobs)
+
+
+def test_knobs_given_as_numpy_scalars_act_as_python_numbers(model):
+    """Values read from arrays (a sweep's `np.linspace`, a data frame) are numbers too."""
+    knobs = dict(exit_threshold=0.5, exit_policy="confidence", min_exit_layer=2, max_exit_layer=3)
+    as_numpy = dict(knobs, exit_threshold=np.float32(0.5), min_exit_layer=np.int64(2), max_exit_layer=np.int32(3))
+    outputs = [
+        model.generate(**batch_of(4), max_new_tokens=4, return_dict_in_generate=True, batch_stop_fraction=fraction, **k)
+        for k, fraction in ((knobs, 1.0), (as_numpy, np.float64(1.0)))
+    ]
+    assert torch.equal(outputs[0].sequences, outputs[1].sequences)
+    assert torch.equal(outputs[0].exit_layers, outputs[1].exit_layers)
+    assert set(outputs[1].exit_layers.unique().tolist()) <= {0, 2, 3, DEPTH}
+    fixed = model.generate(**batch_of(2), max_new_tokens=3, exit_controller=FixedLayerExit(np.int64(2)))
+    patient = model.generate(**batch_of(2), max_new_tokens=3, exit_policy="patience", exit_threshold=np.int64(2))
+    drafted = model.generate(
+        **batch_of(2), max_new_tokens=3, exit_mode="speculative", exit_threshold=0.5, num_assistant_tokens=np.int64(2)
+    )
+    assert fixed.shape[0] == patient.shape[0] == drafted.shape[0] == 2
 
 
 def test_reports_show_a_draft_vocabulary_by_its_size():
