@@ -25,6 +25,12 @@ def test_caption_metrics_equal_hand_computed_values():
                                                  references=REFERENCES, meteor=False, per_sample=True)  # fmt: skip
     assert other["CIDEr_per_sample"][0] == pytest.approx(per_sample[0])  # the other outputs do not move a score
     assert scores["SPICE"] is None and "offline" in scores["SPICE_unavailable"]
+    for line_break in ("\r", "\x0c", "\u2028"):  # a caption's line break moves no caption onto other references
+        broken = [PREDICTIONS[0].replace(" left", line_break + "left"), PREDICTIONS[1]]
+        kept = metrics.load("coco_caption").compute(
+            predictions=broken, references=REFERENCES, meteor=False, per_sample=True
+        )
+        assert kept["CIDEr_per_sample"] == pytest.approx(per_sample)
     perfect = metrics.load("coco_caption").compute(predictions=["a red circle"], references=[["a red circle"]],
                                                    meteor=False)  # fmt: skip
     assert perfect["ROUGE-L"] == 1.0 and perfect["BLEU-3"] == pytest.approx(1.0, abs=1e-6)
@@ -48,9 +54,12 @@ def test_vqa_accuracy_normalises_answers_and_counts_agreeing_references():
     assert vqa.compute(predictions=["Two.", "the Circle", "no"], references=[["2"], ["circle"], ["yes"]]) == {
         "accuracy": pytest.approx(2 / 3)
     }
-    # VQA v2 style: 10 human answers; 2 agree -> 2/3, 3 or more -> 1
-    humans = [["blue"] * 2 + ["teal"] * 8, ["blue"] * 4 + ["teal"] * 6]
-    assert vqa.compute(predictions=["blue", "blue"], references=humans)["accuracy"] == pytest.approx((2 / 3 + 1) / 2)
+    # VQA v2's official evaluation: min(1, agreeing others / 3) over the 10 humans left out one at a time
+    humans = [["blue"] * agree + ["teal"] * (10 - agree) for agree in (1, 2, 3, 4)]
+    scores = [vqa.compute(predictions=["blue"], references=[answers])["accuracy"] for answers in humans]
+    assert scores == pytest.approx([0.3, 0.6, 0.9, 1.0])
+    assert vqa.compute(predictions=["blue"] * 2, references=[["blue", "teal"], ["blue", "blue"]])["accuracy"] == 0.75
+    assert vqa.compute(predictions=["Don't know", "dogs"], references=[["dont know"], ["dog's"]])["accuracy"] == 1.0
 
 
 def test_entailment_accuracy_overall_and_per_label():
@@ -61,6 +70,9 @@ def test_entailment_accuracy_overall_and_per_label():
     entailment = metrics.load("entailment_accuracy")
     spaced = entailment.compute(predictions=["yes\n", "\tno", "Yes."], references=["yes", "no", " yes\n"])
     assert spaced["accuracy"] == 1.0  # any whitespace around a label, as the punctuation
+    assert (
+        entailment.compute(predictions=["yes,", "«no»", "(maybe)"], references=["yes", "no", "maybe"])["accuracy"] == 1
+    )
     with pytest.raises(ValueError, match="reference label"):
         entailment.compute(predictions=["yes"], references=[" \t"])
 

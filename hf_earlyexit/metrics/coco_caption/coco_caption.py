@@ -46,6 +46,12 @@ def java_output_kept_aside():
             os.close(saved)
 
 
+def one_line(caption: str) -> str:
+    """`caption` with every run of whitespace as one space: the Java tokenizer splits lines at `\r`, `\x0c` or
+    U+2028 too, which would shift every later caption onto another's references."""
+    return " ".join(caption.split())
+
+
 class CocoCaption(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
         return evaluate.MetricInfo(
@@ -68,9 +74,9 @@ class CocoCaption(evaluate.Metric):
         if any(len(refs) == 0 or not any(ref.strip() for ref in refs) for refs in references):
             raise ValueError("Every prediction needs at least one non-empty reference caption.")
         tokenizer = PTBTokenizer()
-        with java_output_kept_aside():
-            gts = tokenizer.tokenize({i: [{"caption": r} for r in refs] for i, refs in enumerate(references)})
-            res = tokenizer.tokenize({i: [{"caption": p}] for i, p in enumerate(predictions)})
+        with java_output_kept_aside():  # the tokenizer reads one caption per line: other line breaks become spaces
+            gts = tokenizer.tokenize({i: [{"caption": one_line(r)} for r in refs] for i, refs in enumerate(references)})
+            res = tokenizer.tokenize({i: [{"caption": one_line(p)}] for i, p in enumerate(predictions)})
         bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
         scores = {f"BLEU-{n}": float(value) for n, value in enumerate(bleu, start=1)}
         scores["METEOR"] = None

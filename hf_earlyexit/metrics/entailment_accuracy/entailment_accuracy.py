@@ -1,6 +1,8 @@
 """Visual-entailment accuracy: the fraction of predicted labels ("yes" / "no" / "maybe", or any label set) equal to
 the reference after lower-casing and stripping spaces and punctuation; also the accuracy per reference label."""
 
+import re
+
 import datasets
 import evaluate
 
@@ -16,7 +18,8 @@ Returns:
 
 
 def normalize(label: str) -> str:
-    return label.lower().strip().strip(".!?\"'").strip()
+    """Lower case, without the spaces and punctuation around it ("Yes," and "«no»" are labels)."""
+    return re.sub(r"^[\W_]+|[\W_]+$", "", label.lower())
 
 
 class EntailmentAccuracy(evaluate.Metric):

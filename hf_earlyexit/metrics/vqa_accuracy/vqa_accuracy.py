@@ -1,5 +1,7 @@
-"""VQA accuracy: an answer scores min(1, #references equal to it / 3), after the VQA normalisation (lower case,
-punctuation, articles and number words); with one reference per question (easy-VQA) this is exact match."""
+"""VQA accuracy (Antol et al.): an answer scores the mean, over the question's references left out one at a time, of
+min(1, #other references equal to it / 3), after the VQA normalisation (lower case, punctuation, apostrophes, articles
+and number words). With 10 references (VQA v2) this is the official evaluation; with fewer, the divisor is at most the
+others' count (2 references: agreeing with the other one scores 1); with one (easy-VQA) it is exact match."""
 
 import re
 
@@ -22,9 +24,19 @@ ARTICLES = {"a", "an", "the"}
 
 def normalize(answer: str) -> str:
     answer = re.sub(r"(?<=\d),(?=\d)", "", answer.lower().strip())  # 1,000 -> 1000
-    answer = re.sub(r"[^\w\s']", " ", answer)
+    answer = re.sub(r"[^\w\s']", " ", answer).replace("'", "")  # "don't" and "dont" alike
     words = [NUMBERS.get(word, word) for word in answer.split() if word not in ARTICLES]
     return " ".join(words)
+
+
+def leave_one_out_score(prediction: str, answers: list[str]) -> float:
+    """The official per-question score: min(1, matches among the other references / 3), averaged over the reference
+    left out; the divisor is at most the others' count, and one reference is exact match."""
+    if len(answers) == 1:
+        return float(prediction == answers[0])
+    matches = sum(answer == prediction for answer in answers)
+    divisor = min(3, len(answers) - 1)
+    return sum(min(1.0, (matches - (answer == prediction)) / divisor) for answer in answers) / len(answers)
 
 
 class VqaAccuracy(evaluate.Metric):
@@ -45,6 +57,5 @@ class VqaAccuracy(evaluate.Metric):
         for prediction, answers in zip(predictions, references, strict=True):
             if not answers or not all(normalize(answer) for answer in answers):
                 raise ValueError("Every question needs at least one reference answer, and none of them empty.")
-            matches = sum(normalize(answer) == normalize(prediction) for answer in answers)
-            scores.append(min(1.0, matches / min(3, len(answers))))
+            scores.append(leave_one_out_score(normalize(prediction), [normalize(answer) for answer in answers]))
         return {"accuracy": sum(scores) / len(scores) if scores else 0.0}
