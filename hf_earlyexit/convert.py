@@ -285,7 +285,7 @@ def convert_checkpoint(
         print(f"read {source}; converting and saving to {target} ...", file=sys.stderr, flush=True)
     state_dict = clean_state_dict(state_dict)
     model = load_converted_model(state_dict, infer_config(state_dict, port_config))
-    processor = build_processor(tokenizer_dir, image_size, model.config.vocab_size) if tokenizer_dir else None
+    processor = build_processor(tokenizer_dir, image_size, model.config) if tokenizer_dir else None
     model.save_pretrained(target)
     if processor is not None:
         processor.save_pretrained(target)

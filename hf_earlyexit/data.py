@@ -1,6 +1,8 @@
 """Image-text data for training exits: easy-VQA, a user's own data set by column names, a small tokenizer trained
 on a data set's text, and the collator that turns rows into model inputs with labels."""
 
+import io
+import os
 import random
 import tempfile
 from collections.abc import Iterable
@@ -9,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 import torch
 from PIL import Image
 from transformers import BartTokenizer, PreTrainedTokenizerBase
+from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
 CAPTION_PROMPT = " what does the image describe?"  # OFA's caption prompt
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # ids 0..4, as OFA's BART BPE (bos 0, pad 1, eos 2)
@@ -145,9 +149,25 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 600) -> PreTrainedTo
         return BartTokenizer.from_pretrained(folder)
 
 
-def prompt_text(text: str) -> str:
-    """OFA's prompts and targets start with a space (BPE words carry their leading space)."""
-    return text if text.startswith(" ") else " " + text
+def row_text(value: Any, column: str, row: int, lists: bool = False) -> str:
+    """A row's text: a string, or with `lists` a non-empty list (or tuple) of them, whose first is the target.
+    ValueError naming the column and the row otherwise."""
+    texts = value if lists and isinstance(value, (list, tuple)) and value else [value]
+    if not all(isinstance(text, str) for text in texts):
+        raise ValueError(f"Column {column!r}, row {row}: expected text, got {value!r}.")
+    return texts[0]
+
+
+def row_image(value: Any, column: str, row: int) -> Any:
+    """A row's image as the processor takes it: a PIL image, an array or a tensor as it is; a path, or an undecoded
+    `datasets.Image` ({"bytes", "path"}), opened. ValueError naming the column and the row otherwise."""
+    if isinstance(value, dict) and (value.get("bytes") or value.get("path")):
+        value = io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]
+    if isinstance(value, (str, os.PathLike, io.BytesIO)):
+        return Image.open(value)
+    if isinstance(value, (Image.Image, np.ndarray, torch.Tensor)):
+        return value
+    raise ValueError(f"Column {column!r}, row {row}: expected an image (PIL, array, tensor or path), got {value!r}.")
 
 
 @dataclass
@@ -155,10 +175,13 @@ class ImageTextCollator:
     """Rows of an image-text data set -> `input_ids`, `attention_mask`, `pixel_values` and `labels` (the target's
     tokens then `</s>`, padding as -100).
 
-    processor: an `OFAProcessor`.
-    image_column: a PIL image or a path per row.
-    text_column: the prompt per row (a question); None uses `prompt` for every row (captioning).
+    processor: an `OFAProcessor` (it gives each prompt and target OFA's leading space).
+    image_column: a PIL image, an array, a tensor or a path per row.
+    text_column: the prompt per row (a question); None uses `prompt` for every row (captioning). Prompts longer than
+        the tokenizer's `model_max_length` (the model's positions, when the processor was saved with a model) are
+        truncated.
     target_column: the answer or caption per row; a list of strings takes the first.
+    max_target_length: the most target tokens a label holds (`</s>` included).
     labels: False gives the target as `decoder_input_ids` and `decoder_attention_mask` (from the start token on)
         instead of `labels`, for the losses that learn from the last layer's distribution alone (BLIPEE without
         labels).
@@ -173,34 +196,34 @@ class ImageTextCollator:
     labels: bool = True
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if not rows:
+            raise ValueError("The collator got no rows: a batch needs at least one.")
         columns = [self.image_column, *([self.text_column] if self.text_column else []), self.target_column]
-        missing = [column for column in columns if column not in rows[0]]
-        if missing:
-            raise ValueError(
-                f"The rows have no column(s) {missing}; their columns are {sorted(rows[0])}: name the collator's "
-                "`image_column`, `text_column` and `target_column`."
-            )
-        images = [row[self.image_column] for row in rows]
-        images = [Image.open(image) if isinstance(image, str) else image for image in images]
-        images = [image.convert("RGB") for image in images]
-        prompts = [prompt_text(row[self.text_column] if self.text_column else self.prompt) for row in rows]
-        targets = [row[self.target_column] for row in rows]
-        targets = [prompt_text(target[0] if isinstance(target, list) else target) for target in targets]
-        batch = self.processor(images=images, text=prompts, return_tensors="pt")
-        tokens = self.processor.tokenizer(
-            targets,
-            padding=True,
-            truncation=True,
-            max_length=self.max_target_length + 1,
-            padding_side="right",
-            return_tensors="pt",
-        )
-        if not self.labels:  # the decoder reads <s> and the target; an input is real where a next token is
-            batch["decoder_input_ids"] = tokens["input_ids"][:, :-1]
-            batch["decoder_attention_mask"] = tokens["attention_mask"][:, 1:]
+        for index, row in enumerate(rows):
+            missing = [column for column in columns if column not in row]
+            if missing:
+                raise ValueError(
+                    f"The rows have no column(s) {missing}; their columns are {sorted(row)} (batch row {index}): "
+                    "name the collator's `image_column`, `text_column` and `target_column`."
+                )
+        images, prompts, targets = [], [], []
+        for index, row in enumerate(rows):
+            images.append(row_image(row[self.image_column], self.image_column, index))
+            prompt = row_text(row[self.text_column], self.text_column, index) if self.text_column else self.prompt
+            prompts.append(prompt)
+            targets.append(row_text(row[self.target_column], self.target_column, index, lists=True))
+        fits = self.processor.tokenizer.model_max_length < VERY_LARGE_INTEGER  # a limit the tokenizer knows
+        batch = self.processor(images=images, text=prompts, truncation=fits, return_tensors="pt")
+        targets = self.processor(text_target=targets, max_length=self.max_target_length + 1, return_tensors="pt")
+        labels = targets["labels"]
+        if self.labels:
+            batch["labels"] = labels
             return dict(batch)
-        labels = tokens["input_ids"][:, 1:]  # drop <s>: the decoder starts from it
-        batch["labels"] = labels.masked_fill(tokens["attention_mask"][:, 1:] == 0, -100)
+        # The decoder reads <s> and the target; an input is real where a next token is.
+        start = torch.full_like(labels[:, :1], self.processor.tokenizer.bos_token_id)
+        inputs = torch.cat([start, labels[:, :-1]], dim=1)
+        batch["decoder_input_ids"] = inputs.masked_fill(inputs == -100, self.processor.tokenizer.pad_token_id)
+        batch["decoder_attention_mask"] = labels.ne(-100).long()
         return dict(batch)
 
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from .benchmark import paired_seconds
 from .calibration import write_generation_defaults, write_together
-from .data import prompt_text
 from .evaluation import TaskInputs, TaskRun, run_batch, task_inputs
+from .modeling.processing_ofa import prompt_text
 
 # The default grid: lower thresholds than `calibration.DECODER_THRESHOLDS`, since a draft only has to be right
 # often enough; on the embedded model confidence 0.3-0.4 drafts fastest.

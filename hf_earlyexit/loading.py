@@ -41,12 +41,16 @@ def load_model_and_processor(model_dir: str | Path, **config_fields: Any) -> tup
     return model, processor
 
 
-def build_processor(tokenizer_dir: str | Path, image_size: int, vocab_size: int) -> OFAProcessor:
-    """The processor of a converted checkpoint: BART's tokenizer from `tokenizer_dir` with OFA's tokens, and square
-    `image_size` images. ValueError when the tokenizer does not fit a vocabulary of `vocab_size`."""
+def build_processor(tokenizer_dir: str | Path, image_size: int, config: Any) -> OFAProcessor:
+    """The processor of a converted checkpoint: BART's tokenizer from `tokenizer_dir` with OFA's tokens, truncating
+    (when asked) to the model's positions, and square `image_size` images. ValueError when the tokenizer does not fit
+    the model's vocabulary."""
     tokenizer = OFAProcessor.build_tokenizer(str(tokenizer_dir))
-    if len(tokenizer) != vocab_size:
-        raise ValueError(f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}.")
+    if len(tokenizer) != config.vocab_size:
+        raise ValueError(
+            f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {config.vocab_size}."
+        )
+    tokenizer.model_max_length = config.max_position_embeddings
     return OFAProcessor(OFAImageProcessor(size={"height": image_size, "width": image_size}), tokenizer)
 
 

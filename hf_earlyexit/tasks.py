@@ -42,10 +42,12 @@ class Task:
     risk_loss: LossKind = "binary"
 
     def dataset(self, split: str, size: int | None = None) -> datasets.Dataset:
-        """The split's rows (the first `size` of a fixed shuffle when given), with columns `image`, `prompt`,
-        `target` and `task`."""
+        """The split's rows (the first `size` of a fixed shuffle when given; all, when the split has fewer), with
+        columns `image`, `prompt`, `target` and `task`."""
         if split not in SPLITS:
             raise ValueError(f"Splits are {list(SPLITS)}, got {split!r}.")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"`size` is how many rows to take, a whole number >= 1 (or None: all), got {size!r}.")
         if self.name == "caption":
             rows = shape_scenes(split, size=SCENE_SIZES[split] if size is None else size, image_size=64)
             rows = rows.map(lambda _: {"prompt": CAPTION_PROMPT}, remove_columns=["objects"])

@@ -12,7 +12,7 @@ import datasets
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from .data import CAPTION_PROMPT, ImageTextCollator, easy_vqa, load_image_text_dataset, train_tokenizer
+from .data import CAPTION_PROMPT, ImageTextCollator, easy_vqa, load_image_text_dataset, row_text, train_tokenizer
 from .loading import load_model_and_processor
 from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
@@ -42,6 +42,7 @@ def small_model_and_processor(
     config = OFAEarlyExitConfig(**{**SMALL_OFA, "vocab_size": len(tokenizer), **config_overrides})
     torch.manual_seed(seed)
     model = EarlyExitOFAForConditionalGeneration(config)
+    tokenizer.model_max_length = config.max_position_embeddings  # so that `truncation=True` fits the model
     processor = OFAProcessor(OFAImageProcessor(size={"height": image_size, "width": image_size}), tokenizer)
     return model, processor
 
@@ -89,9 +90,7 @@ def check_texts(values: Iterable[Any], column: str, lists: bool) -> None:
     """Every value of a text column is a string (`lists`: or a non-empty list of them, whose first is the target):
     checked before training, since the collator meets a bad row only at its batch, after the earlier steps."""
     for row, value in enumerate(values):
-        texts = value if lists and isinstance(value, list) and value else [value]
-        if not all(isinstance(text, str) for text in texts):
-            raise ValueError(f"Column {column!r}, row {row}: expected text, got {value!r}.")
+        row_text(value, column, row, lists)
 
 
 def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **training_arguments) -> EarlyExitTrainer:

@@ -142,7 +142,15 @@ def to_rgb_pil_image(image: SingleImage, input_data_format: str | ChannelDimensi
     if isinstance(image, Image.Image):
         if image.width == 0 or image.height == 0:
             raise ValueError(f"Got an empty image of size {image.width}x{image.height} (width x height).")
-        # Plain `convert("RGB")` (alpha dropped, 16-bit clipped) is what the original OFA data pipeline does.
+        if image.mode.startswith(("I", "F")):  # 16- and 32-bit modes: `convert` would clip what lies past 255
+            values = np.asarray(image)
+            low, high = float(values.min()), float(values.max())
+            if low < 0 or high > 255:
+                raise ValueError(
+                    f"A mode {image.mode!r} image must hold values in [0, 255], got values in [{low}, {high}]: "
+                    "scale it to 8 bits first."
+                )
+        # Plain `convert("RGB")` (alpha dropped) is what the original OFA data pipeline does.
         return image if image.mode == "RGB" else image.convert("RGB")
 
     if isinstance(image, torch.Tensor):
@@ -287,13 +295,37 @@ def add_ofa_special_tokens(
     return added
 
 
+def prompt_text(text: str) -> str:
+    """OFA's prompts and targets start with a space (BPE words carry their leading space); an empty text stays empty."""
+    return text if not text or text[0].isspace() else " " + text
+
+
+def checked_texts(text: Any, name: str) -> list[str] | None:
+    """`text` (a string or a list of strings) as a list of OFA texts, each with its leading space; None stays None."""
+    if text is None:
+        return None
+    texts = [text] if isinstance(text, str) else text
+    if not isinstance(texts, (list, tuple)):
+        raise ValueError(f"`{name}` must be a string or a list of strings, got {_describe(text)}.")
+    if len(texts) == 0:
+        raise ValueError(f"`{name}` is an empty list: pass at least one string.")
+    for index, sample in enumerate(texts):
+        if not isinstance(sample, str):
+            raise ValueError(
+                f"`{name}` must be a string or a list of strings, got {_describe(sample)} at index {index}."
+            )
+    return [prompt_text(sample) for sample in texts]
+
+
 class OFAProcessor(ProcessorMixin):
     r"""
     Processor for OFA: an [`OFAImageProcessor`] and a BART byte-level BPE tokenizer.
 
-    Text follows OFA's convention: the caller includes the leading space, e.g. `" what does the image describe?"`,
-    which is encoded as `<s> text </s>`. Batches are always padded on the right, because OFA's text positions run
-    `0..L-1` whatever the padding.
+    Text follows OFA's convention: a prompt starts with a space, `" what does the image describe?"`, encoded as
+    `<s> text </s>`; a text without one gets it (the official code adds it to every question; without it the BPE
+    words differ from training's). Batches are always padded on the right, because OFA's text positions run `0..L-1`
+    whatever the padding. `text_target` gives `labels` as the model takes them: the target's tokens and `</s>`, without
+    `<s>` (the decoder starts from it), padded with -100.
 
     Args:
         image_processor ([`OFAImageProcessor`]):
@@ -325,6 +357,7 @@ class OFAProcessor(ProcessorMixin):
         self,
         images: OFAImageInput | None = None,
         text: str | list[str] | None = None,
+        text_target: str | list[str] | None = None,
         return_tensors: str | None = None,
         padding: bool | str = True,
         truncation: bool | str | None = None,
@@ -338,7 +371,10 @@ class OFAProcessor(ProcessorMixin):
             images (`PIL.Image.Image`, `np.ndarray`, `torch.Tensor` or a list of them, *optional*):
                 Image(s) for [`OFAImageProcessor`].
             text (`str` or `list[str]`, *optional*):
-                Prompt(s), each encoded as `<s> text </s>`.
+                Prompt(s), each encoded as `<s> text </s>` (with a leading space added where missing).
+            text_target (`str` or `list[str]`, *optional*):
+                Target(s) for training: `labels`, each target's tokens then `</s>`, padded with -100 (truncated as the
+                prompts are).
             return_tensors (`str`, *optional*):
                 `"pt"` for torch tensors, `"np"` for numpy arrays, `None` for lists.
             padding (`bool` or `str`, *optional*, defaults to `True`):
@@ -349,55 +385,49 @@ class OFAProcessor(ProcessorMixin):
                 Maximum text length (in tokens, including `<s>` and `</s>`).
             kwargs:
                 Image processor options (`size`, `resample`, ...) go to the image processor, tokenizer options to the
-                tokenizer; others are ignored with a warning.
+                tokenizer, also when nested as `images_kwargs` / `text_kwargs` / `common_kwargs`; others are ignored
+                with a warning.
 
         Returns:
-            [`BatchFeature`]: `input_ids` and `attention_mask` when text is given, `pixel_values` when images are.
+            [`BatchFeature`]: `input_ids` and `attention_mask` when text is given, `labels` when targets are,
+            `pixel_values` when images are.
 
         Raises:
             `ValueError`: if neither input is given, `text` is not a string or list of strings, an image is invalid,
             the image and text batch sizes differ, or an option of `generate` (an exit knob, `max_new_tokens`, ...)
             is given.
         """
-        if images is None and text is None:
-            raise ValueError("OFAProcessor needs at least one of `images` or `text`, got neither.")
+        if images is None and text is None and text_target is None:
+            raise ValueError("OFAProcessor needs at least one of `images`, `text` or `text_target`, got none.")
 
         image_kwargs, text_kwargs = self.split_kwargs(kwargs)
-
-        texts = None
-        if text is not None:
-            texts = [text] if isinstance(text, str) else text
-            if not isinstance(texts, (list, tuple)):
-                raise ValueError(f"`text` must be a string or a list of strings, got {_describe(text)}.")
-            if len(texts) == 0:
-                raise ValueError("`text` is an empty list: pass at least one string.")
-            for index, sample in enumerate(texts):
-                if not isinstance(sample, str):
-                    raise ValueError(
-                        f"`text` must be a string or a list of strings, got {_describe(sample)} at index {index}."
-                    )
-
-        if texts is not None and images is not None:
+        texts, targets = checked_texts(text, "text"), checked_texts(text_target, "text_target")
+        if texts is not None and targets is not None and len(texts) != len(targets):
+            raise ValueError(f"Got {len(texts)} text(s) but {len(targets)} target(s): give one target per text.")
+        batch = texts if texts is not None else targets
+        if batch is not None and images is not None:
             # A list, or one array or tensor: [batch, ...] when 4-D, else a single image.
             num_images = len(images) if isinstance(images, (list, tuple)) else 1
             num_images = images.shape[0] if getattr(images, "ndim", 0) == 4 else num_images
-            if num_images != len(texts):
+            if num_images != len(batch):
                 raise ValueError(
-                    f"Got {num_images} image(s) but {len(texts)} text(s): OFA pairs exactly one image with each text."
+                    f"Got {num_images} image(s) but {len(batch)} text(s): OFA pairs exactly one image with each text."
                 )
 
         data = {}
+        # OFA pads on the right (the model takes either side); by default it truncates only to a given `max_length`.
+        options = dict(padding=padding, truncation=truncation, max_length=max_length, padding_side="right")
+        options.update(text_kwargs)
+        if options["truncation"] is None:
+            options["truncation"] = options["max_length"] is not None
         if texts is not None:
-            if truncation is None:
-                truncation = max_length is not None
-            text_inputs = self.tokenizer(
-                list(texts),
-                padding=padding,
-                truncation=truncation,
-                max_length=max_length,
-                **{"padding_side": "right", **text_kwargs},  # OFA pads on the right; the model takes either
-            )
-            data.update(text_inputs)
+            data.update(self.tokenizer(texts, **options))
+        if targets is not None:
+            tokens = self.tokenizer(targets, **{**options, "padding_side": "right"})
+            data["labels"] = [
+                [token if real else -100 for token, real in zip(ids[1:], mask[1:], strict=True)]  # <s> dropped
+                for ids, mask in zip(tokens["input_ids"], tokens["attention_mask"], strict=True)
+            ]
         if images is not None:
             data.update(self.image_processor(images, **image_kwargs))
 
@@ -406,6 +436,13 @@ class OFAProcessor(ProcessorMixin):
     def split_kwargs(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """(image processor options, tokenizer options) of `kwargs`. `generate`'s options are a ValueError (a pipeline
         hands the processor its call's unknown keyword arguments); others are ignored with a warning."""
+        groups = ("images_kwargs", "text_kwargs", "common_kwargs")  # ProcessorMixin's grouped form
+        flat = {key: value for key, value in kwargs.items() if key not in groups}
+        for group in (kwargs[name] for name in groups if name in kwargs):  # each key goes where its name says
+            if not isinstance(group, dict):
+                raise ValueError(f"`{'`, `'.join(groups)}` must be dicts, got {_describe(group)}.")
+            flat.update(group)
+        kwargs = flat
         image_kwarg_names = set(self.image_processor.valid_kwargs.__annotations__)
         image_kwargs = {key: value for key, value in kwargs.items() if key in image_kwarg_names}
         text_kwargs = {key: value for key, value in kwargs.items() if key in TextKwargs.__annotations__}
@@ -442,4 +479,4 @@ OFAImageProcessor.register_for_auto_class("AutoImageProcessor")
 OFAProcessor.register_for_auto_class("AutoProcessor")
 
 
-__all__ = ["OFAImageProcessor", "OFAProcessor", "add_ofa_special_tokens", "to_rgb_pil_image"]
+__all__ = ["OFAImageProcessor", "OFAProcessor", "add_ofa_special_tokens", "prompt_text", "to_rgb_pil_image"]

@@ -117,6 +117,59 @@ def test_collator_names_the_columns_the_rows_lack(processor):
         ImageTextCollator(processor, target_column="caption")([shapes_dataset()[0]])
 
 
+def test_collator_takes_every_image_form_the_processor_takes(processor, tmp_path):
+    dataset = shapes_dataset(2)
+    expected = ImageTextCollator(processor)(list(dataset))
+    dataset[0]["image"].save(tmp_path / "red.png")
+    forms = [
+        list(dataset.with_format("numpy")),
+        list(dataset.with_format("torch")),
+        list(dataset.cast_column("image", datasets.Image(decode=False))),  # {"bytes", "path"}
+        [{**dataset[0], "image": str(tmp_path / "red.png")}, {**dataset[1], "image": tmp_path / "red.png"}],
+    ]
+    for rows in forms[:3]:
+        assert torch.equal(ImageTextCollator(processor)(rows)["pixel_values"], expected["pixel_values"])
+    assert torch.equal(ImageTextCollator(processor)(forms[3])["pixel_values"][0], expected["pixel_values"][0])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"answer": 3}, r"Column 'answer', row 1: expected text, got 3"),
+        ({"answer": []}, r"Column 'answer', row 1: expected text, got \[\]"),
+        ({"question": None}, r"Column 'question', row 1: expected text, got None"),
+        ({"image": None}, r"Column 'image', row 1: expected an image"),
+    ],
+)
+def test_collator_names_the_column_and_row_of_a_bad_value(processor, change, message):
+    rows = list(shapes_dataset(2))
+    rows[1] = {**rows[1], **change}
+    with pytest.raises(ValueError, match=message):
+        ImageTextCollator(processor)(rows)
+
+
+def test_collator_checks_every_row_and_refuses_an_empty_batch(processor):
+    rows = list(shapes_dataset(2))
+    rows[1] = {"image": rows[1]["image"], "question": rows[1]["question"]}
+    with pytest.raises(ValueError, match=r"no column\(s\) \['answer'\].*\(batch row 1\)"):
+        ImageTextCollator(processor)(rows)
+    with pytest.raises(ValueError, match="no rows"):
+        ImageTextCollator(processor)([])
+    answers = ImageTextCollator(processor)([{**dict(shapes_dataset(1)[0]), "answer": ("red", "blue")}])
+    assert answers["labels"].tolist() == ImageTextCollator(processor)([dict(shapes_dataset(1)[0])])["labels"].tolist()
+
+
+def test_collator_truncates_a_prompt_to_the_models_positions():
+    from hf_earlyexit.training import small_model_and_processor
+
+    model, processor = small_model_and_processor(["what color is the image?", "red"], vocab_size=300)
+    row = {**dict(shapes_dataset(1)[0]), "question": "what color" * 100}
+    batch = ImageTextCollator(processor)([row])
+    assert batch["input_ids"].shape[1] == model.config.max_position_embeddings
+    with torch.no_grad():
+        assert model(**batch).loss.isfinite()
+
+
 def test_load_image_text_dataset_from_disk_and_by_loader(tmp_path):
     shapes_dataset().save_to_disk(tmp_path / "saved")
     assert len(load_image_text_dataset(str(tmp_path / "saved"), columns=["image", "answer"])) == 8

@@ -1,6 +1,8 @@
 """Loading images, saved models and a converted checkpoint's processor: user errors are ValueErrors that name the
 problem."""
 
+from types import SimpleNamespace
+
 import pytest
 from PIL import Image
 
@@ -36,10 +38,12 @@ def test_load_model_and_processor_applies_config_fields_and_refuses_other_folder
 
 
 def test_build_processor_checks_the_vocabulary(bart_tokenizer_dir):
-    processor = build_processor(bart_tokenizer_dir, 96, 59457)
+    config = SimpleNamespace(vocab_size=59457, max_position_embeddings=1024)
+    processor = build_processor(bart_tokenizer_dir, 96, config)
     assert len(processor.tokenizer) == 59457 and processor.image_processor.size["height"] == 96
+    assert len(processor(text=" long" * 2000, truncation=True)["input_ids"][0]) == 1024  # the model's positions
     with pytest.raises(ValueError, match="59457 tokens but the model's vocabulary has 1000"):
-        build_processor(bart_tokenizer_dir, 96, 1000)
+        build_processor(bart_tokenizer_dir, 96, SimpleNamespace(vocab_size=1000, max_position_embeddings=1024))
 
 
 def test_the_embedded_model_folder_ships_with_the_package():

@@ -28,6 +28,10 @@ def test_unknown_task_or_split_raises():
         get_task("ocr")
     with pytest.raises(ValueError, match="Splits are"):
         get_task("vqa").dataset("dev")
+    for name in ("vqa", "entailment", "caption"):  # the same answer from every task, never an empty split
+        for size in (0, -1, 2.5):
+            with pytest.raises(ValueError, match=f"`size` is how many rows to take.*got {size}"):
+                get_task(name).dataset("test", size=size)
 
 
 def test_calibration_splits_are_held_out_and_as_large_as_asked():

@@ -1,5 +1,7 @@
 """Tests for `modeling/processing_ofa.py`: OFA image preprocessing, tokenization and remote-code round trips."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -86,6 +88,16 @@ def test_custom_size_in_constructor():
     np.testing.assert_allclose(_pixels(processor, image)[0], _reference_pixels(image, 256, 256), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["I;16", "I", "F"])
+def test_a_16_or_32_bit_image_past_8_bits_is_refused_not_clipped(image_processor, mode):
+    """PIL's `convert("RGB")` would clip every value past 255 to white; a NumPy array of them is refused too."""
+    values = np.linspace(0, 4000, 24 * 40).reshape(24, 40)
+    image = Image.fromarray(values.astype({"I;16": np.uint16, "I": np.int32, "F": np.float32}[mode]))
+    assert image.mode == mode
+    with pytest.raises(ValueError, match=f"mode '{re.escape(mode)}' image must hold values in \\[0, 255\\]"):
+        image_processor(image)
+
+
 def test_size_without_height_and_width_is_rejected(image_processor):
     with pytest.raises(ValueError, match="height.*width"):
         image_processor(Image.new("RGB", (8, 8)), size={"shortest_edge": 32})
@@ -97,7 +109,7 @@ def test_non_rgb_pil_modes_are_converted_like_pil(image_processor, mode):
     if mode == "P":
         image = rgb.quantize(colors=16)
     elif mode == "I;16":
-        image = Image.fromarray(_random_uint8((24, 40), seed=4).astype(np.uint16) * 3)
+        image = Image.fromarray(_random_uint8((24, 40), seed=4).astype(np.uint16))
         assert image.mode == "I;16"
     else:
         image = rgb.convert(mode)
@@ -320,7 +332,7 @@ def test_decode_and_batch_decode(processor):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({}, "at least one of `images` or `text`"),
+        ({}, "at least one of `images`, `text` or `text_target`"),
         ({"text": 42}, "`text` must be a string or a list of strings, got int"),
         ({"text": [" ok", None]}, "got NoneType at index 1"),
         ({"text": []}, "`text` is an empty list"),
@@ -370,3 +382,54 @@ def test_options_of_generate_are_refused_and_unknown_ones_ignored_with_a_warning
     monkeypatch.setattr(processing_ofa.logger, "warning", warnings.append)
     assert processor(text=CAPTION_PROMPT, bogus=1) == processor(text=CAPTION_PROMPT)
     assert len(warnings) == 1 and "`bogus`" in warnings[0]
+
+
+@pytest.fixture(scope="module")
+def embedded_processor():
+    from transformers import AutoProcessor
+
+    from hf_earlyexit.loading import EMBEDDED_MODEL_DIR
+
+    return AutoProcessor.from_pretrained(EMBEDDED_MODEL_DIR)
+
+
+def test_a_prompt_without_ofas_leading_space_gets_it(embedded_processor):
+    """OFA was trained on prompts that start with a space: without it every BPE word would be another token."""
+    spaced = embedded_processor(text=[" what color is the shape?", " what shape is in the image?"])
+    bare = embedded_processor(text=["what color is the shape?", " what shape is in the image?"])
+    assert bare["input_ids"] == spaced["input_ids"]
+    assert embedded_processor(text="")["input_ids"] == [embedded_processor.tokenizer("")["input_ids"]] == [[0, 2]]
+
+
+def test_text_target_gives_the_labels_the_model_and_the_collator_use(embedded_processor):
+    from hf_earlyexit.data import ImageTextCollator
+
+    image = Image.fromarray(_random_uint8((64, 64, 3), seed=20))
+    rows = [
+        {"image": image, "question": " what color?", "answer": "red"},
+        {"image": image, "question": " a", "answer": " a red square"},
+    ]
+    labels = embedded_processor(
+        images=[image] * 2,
+        text=[r["question"] for r in rows],
+        text_target=["red", " a red square"],
+        return_tensors="pt",
+    )["labels"]
+    assert torch.equal(labels, ImageTextCollator(embedded_processor)(rows)["labels"])
+    assert labels[0, -1] == -100 and (labels[:, 0] != embedded_processor.tokenizer.bos_token_id).all()
+    single = embedded_processor(text=" what color?", text_target="red", return_tensors="pt")
+    assert single["labels"].shape == (1, 2) and single["input_ids"].shape[0] == 1
+    with pytest.raises(ValueError, match="2 text\\(s\\) but 1 target"):
+        embedded_processor(text=[" a", " b"], text_target="red")
+
+
+def test_grouped_options_reach_the_image_processor_and_the_tokenizer(embedded_processor):
+    image = Image.fromarray(_random_uint8((64, 64, 3), seed=21))
+    grouped = embedded_processor(
+        images=image, text=" a b c d e f", images_kwargs={"size": 32}, text_kwargs={"max_length": 3}
+    )
+    flat = embedded_processor(images=image, text=" a b c d e f", size=32, max_length=3)
+    assert grouped["input_ids"] == flat["input_ids"] and len(flat["input_ids"][0]) == 3
+    np.testing.assert_array_equal(np.asarray(grouped["pixel_values"]), np.asarray(flat["pixel_values"]))
+    with pytest.raises(ValueError, match="must be dicts"):
+        embedded_processor(text=" a", text_kwargs=3)
