@@ -378,9 +378,10 @@ class EarlyExitGenerationMixin(GenerationMixin):
             raise ValueError(f"Pass either `exit_settings` or the knobs {sorted(knobs)}, not both.")
         source = self.generation_config if generation_config is None else completed(generation_config, self)
         prompt = kwargs.get("decoder_input_ids")
-        values = within_positions(self.config, source, kwargs, 1 if prompt is None else prompt.shape[-1])
+        prompt_length = 1 if prompt is None else prompt.shape[-1]
+        values = within_positions(self.config, source, kwargs, prompt_length)
         if settings is None:
-            max_steps = decoding_steps(source, {**kwargs, **values})
+            max_steps = decoding_steps(source, {**kwargs, **values}, prompt_length)
             # Transformers expands each request into max(num_beams, num_return_sequences) decoder rows.
             expand = max(kwargs.get(name) or getattr(source, name, None) or 1 for name in ROW_EXPANSIONS)
             settings = EarlyExitSettings.from_knobs(
@@ -425,6 +426,15 @@ class EarlyExitGenerationMixin(GenerationMixin):
         exit_layers = generated_exit_layers(log.decoder_steps, output, log.stops)
         return output_class(**output, exit_layers=exit_layers, encoder_exit_layers=encoder_exit_layers)
 
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 *args, **kwargs):  # fmt: skip
+        # Transformers hands the assistant's `generate` this call's model kwargs: the exit settings and record are
+        # this model's, so the assistant decodes with its own (its saved defaults, or none for another model).
+        own = {key: value for key, value in model_kwargs.items() if key not in ("exit_settings", "exit_layer_log")}
+        return super()._get_candidate_generator(
+            generation_config, input_ids, inputs_tensor, logits_processor, own, *args, **kwargs
+        )
+
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):  # fmt: skip
         settings = model_kwargs.get("exit_settings")
@@ -451,11 +461,6 @@ class EarlyExitGenerationMixin(GenerationMixin):
                 return output
             none = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
             return EarlyExitGenerateOutput(**output, drafted_tokens=none, accepted_tokens=none, speculative_rounds=none)
-        if model_kwargs["past_key_values"].get_seq_length() > 0:
-            raise ValueError(
-                '`exit_mode="speculative"` decodes from an empty cache: pass the whole decoder prefix as '
-                "`decoder_input_ids`, without `past_key_values`."
-            )
         ending_rows = [type(c).__name__ for c in stopping_criteria if not isinstance(c, ENDING_EVERY_ROW)]
         if ending_rows and not pads_ended_rows(stopping_criteria):
             raise ValueError(
@@ -594,7 +599,7 @@ def request_count(inputs: torch.Tensor | None, kwargs: dict[str, Any]) -> int | 
     return next((tensor.shape[0] for tensor in given if tensor is not None), None)
 
 
-ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+ASSISTED = ("assistant_model", "prompt_lookup_num_tokens")
 
 
 def check_decoding(settings: EarlyExitSettings, generation_config: GenerationConfig, kwargs: dict[str, Any]) -> None:
@@ -607,6 +612,11 @@ def check_decoding(settings: EarlyExitSettings, generation_config: GenerationCon
         raise ValueError(
             f"`guidance_scale={guidance!r}`: classifier-free guidance runs the model without its decoder inputs, "
             "which OFA, an encoder-decoder, cannot do. Drop `guidance_scale`."
+        )
+    if kwargs.get("assistant_early_exit", generation_config.assistant_early_exit) is not None:
+        raise ValueError(
+            "`assistant_early_exit` drafts with the first layers of a decoder-only model; this model drafts with its "
+            'own exits: use `exit_mode="speculative"` (lossless), and drop `assistant_early_exit`.'
         )
     assisted = sorted(name for name in ASSISTED if kwargs.get(name, getattr(generation_config, name, None)))
     speculative = settings.exit_mode == "speculative"
@@ -621,6 +631,11 @@ def check_decoding(settings: EarlyExitSettings, generation_config: GenerationCon
         return
     if (kwargs.get("num_beams") or generation_config.num_beams or 1) > 1:
         raise ValueError('`exit_mode="speculative"` decodes greedily or by sampling: set `num_beams=1`.')
+    if kwargs.get("past_key_values") is not None:  # its cache keeps what drafts and verifications wrote, per row
+        raise ValueError(
+            '`exit_mode="speculative"` decodes from an empty cache of its own: pass the whole decoder prefix as '
+            "`decoder_input_ids`, without `past_key_values`."
+        )
     outputs = ("output_attentions", "output_hidden_states")
     asked = [name for name in outputs if kwargs.get(name, getattr(generation_config, name, None))]
     if asked or kwargs.get("synced_gpus"):

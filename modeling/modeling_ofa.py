@@ -863,21 +863,27 @@ class OFAEncoder(nn.Module):
         return final, states, attentions, exit_layers[:, None] * present
 
     def run_streams(
-        self, sequence: "EncoderSequence", layers: list[int], exit_settings: EarlyExitSettings | None, states: bool
+        self,
+        sequence: "EncoderSequence",
+        layers: list[int],
+        exit_settings: EarlyExitSettings | None,
+        attentions: bool,
+        states: bool,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """MuE's decomposed encoder: each modality attends only to itself, through the same layers, and may stop on
-        its own; the streams meet in the decoder's cross-attention. Returns what `run_joint` does (no attentions;
-        each layer's states when `states`)."""
+        its own; the streams meet in the decoder's cross-attention. Returns what `run_joint` does: each layer's
+        attentions over the whole sequence when `attentions` (zero between the streams, which never attend to each
+        other), each layer's states when `states`."""
         n, padding = sequence.num_image, sequence.padding
         image_rel = sequence.image_buckets if self.config.decomposed_image_relative_bias else None
         streams = [
             self.run_layers(
-                sequence.hidden_states[:, :n], sequence.absolute[:, :, :n, :n], n, None, image_rel, layers, False,
-                exit_settings, part="encoder_image", output_hidden_states=states,
+                sequence.hidden_states[:, :n], sequence.absolute[:, :, :n, :n], n, None, image_rel, layers,
+                attentions, exit_settings, part="encoder_image", output_hidden_states=states,
             ) if n else None,
             self.run_layers(
                 sequence.hidden_states[:, n:], sequence.absolute[:, :, n:, n:], 0, sequence.text_buckets, None, layers,
-                False, exit_settings, part="encoder_text",
+                attentions, exit_settings, part="encoder_text",
                 real_tokens=~padding[:, n:] if torch.compiler.is_compiling() or bool(padding.any()) else None,
                 output_hidden_states=states,
             ) if sequence.text_length else None,
@@ -886,9 +892,17 @@ class OFAEncoder(nn.Module):
         final = torch.cat([stream[0] for stream in ran], dim=1)
         per_layer = zip(*(stream[1] for stream in ran), strict=True)
         layer_states = [torch.cat(layer, dim=1) for layer in per_layer] if states else []
+        layer_attentions = []
+        if attentions:  # each stream's [batch, heads, S, S] padded to the whole sequence's keys, stacked by queries
+            starts, length = (0, n) if len(ran) == 2 else (0,), final.shape[1]
+            blocks = [
+                [F.pad(weights, (start, length - start - weights.shape[-1])) for weights in stream[2]]
+                for stream, start in zip(ran, starts, strict=True)
+            ]
+            layer_attentions = [torch.cat(layer, dim=2) for layer in zip(*blocks, strict=True)]
         no_layers = torch.zeros(padding.shape[0], dtype=torch.long, device=padding.device)
         exit_layers = torch.stack([no_layers if stream is None else stream[3] for stream in streams], dim=1)
-        return final, layer_states, [], exit_layers
+        return final, layer_states, layer_attentions, exit_layers
 
     def forward(
         self,
@@ -909,14 +923,12 @@ class OFAEncoder(nn.Module):
         if input_ids is None and inputs_embeds is None and pixel_values is None:
             raise ValueError("The encoder needs `input_ids` (or `inputs_embeds`), `pixel_values` or both.")
         decomposed = self.config.decompose_encoder_modalities
-        if output_attentions and decomposed:
-            raise ValueError("`output_attentions` is not available with `decompose_encoder_modalities=True`.")
         sequence = self.embed(input_ids, attention_mask, pixel_values, inputs_embeds)
         # One LayerDrop draw per forward, so both streams of a decomposed encoder skip the same layers.
         layers = layers_to_run(len(self.layers), self.config.encoder_layerdrop, self.training)
         if decomposed:
             final, states, attentions, exit_layers = self.run_streams(
-                sequence, layers, exit_settings, output_hidden_states
+                sequence, layers, exit_settings, output_attentions, output_hidden_states
             )
         else:
             final, states, attentions, exit_layers = self.run_joint(

@@ -1202,6 +1202,22 @@ def test_generate_without_max_new_tokens_decodes_to_max_length(model, knobs):
     assert short.shape == (2, 6) and default.shape[1] <= 21
 
 
+def test_a_decoder_prompt_leaves_schedules_the_same_budget_under_max_length_and_max_new_tokens(model):
+    """A threshold schedule decays over the steps a call may decode: `max_length` less the decoder's prompt."""
+    seen = []
+
+    class Budget(ExitController):
+        def __call__(self, state):
+            seen.append(state.max_steps)
+            return torch.zeros(state.rows.shape[0], dtype=torch.bool, device=state.hidden_states.device)
+
+    prompt = {"decoder_input_ids": torch.tensor([[0, 5, 6, 7, 8]] * 2)}
+    for length in ({"max_new_tokens": 6}, {"max_length": 11}):
+        with torch.no_grad():
+            model.generate(**batch_of(2), **prompt, **length, exit_controller=Budget(), eos_token_id=None)
+    assert set(seen) == {6}
+
+
 def test_a_passed_generation_config_is_completed_by_the_models_as_transformers_does(model):
     """Transformers fills a passed config's unset fields and missing entries from the model's generation config: the
     exits see the same, so the saved beams expand per-request thresholds, the saved exit knobs apply, and speculative

@@ -373,6 +373,25 @@ def test_decomposed_encoder_runs_each_modality_on_its_own():
     assert not torch.allclose(joint_streams, fused, atol=1e-3)  # the fused encoder attends across modalities
 
 
+def test_a_decomposed_encoder_gives_each_layers_attentions_over_the_whole_sequence():
+    """Each stream's own attentions, on the diagonal; between the streams, which never attend to each other, zeros."""
+    model = tiny_model(decompose_encoder_modalities=True).eval()
+    inputs = tiny_inputs()
+    with torch.no_grad():
+        out = model(**inputs, decoder_input_ids=torch.zeros(2, 1, dtype=torch.long), output_attentions=True)
+        image = model.encoder(pixel_values=inputs["pixel_values"], output_attentions=True).attentions
+        text = model.encoder(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], output_attentions=True
+        )
+    n, length = image[0].shape[-1], out.encoder_last_hidden_state.shape[1]
+    assert len(out.encoder_attentions) == model.config.encoder_layers and out.cross_attentions is not None
+    for layer, weights in enumerate(out.encoder_attentions):
+        assert weights.shape == (2, model.config.encoder_attention_heads, length, length)
+        torch.testing.assert_close(weights[..., :n, :n], image[layer], atol=1e-6, rtol=0)
+        torch.testing.assert_close(weights[..., n:, n:], text.attentions[layer], atol=1e-6, rtol=0)
+        assert not weights[..., :n, n:].any() and not weights[..., n:, :n].any()
+
+
 def test_official_mue_image_stream_has_no_relative_bias():
     """decomposed_image_relative_bias=False (the official MuE code) ignores the image relative tables."""
     model = tiny_model(decompose_encoder_modalities=True)

@@ -529,6 +529,24 @@ def test_an_assistant_model_is_refused_with_exits(model):
     for knobs in (dict(exit_threshold=0.5), dict(exit_mode="speculative", exit_threshold=0.5)):
         with pytest.raises(ValueError, match="assistant_model"):
             model.generate(**mixed_lengths(1), max_new_tokens=3, assistant_model=model, **knobs)
+    with pytest.raises(ValueError, match='assistant_early_exit.*exit_mode="speculative"'):  # never an AttributeError
+        model.generate(**mixed_lengths(1), max_new_tokens=3, assistant_early_exit=2, **NO_EXIT)
+
+
+def test_without_exits_an_assistant_drafts_with_its_own_defaults_and_the_output_is_the_full_models(model):
+    """Transformers hands the assistant this call's model kwargs: the call's exit settings stay with this model."""
+    assistant = tiny_model(decoder_layers=DEPTH, encoder_layers=2, exit_threshold=0.5, exit_policy="confidence")
+    inputs = mixed_lengths(1)
+    with torch.no_grad():
+        assisted = model.generate(**inputs, max_new_tokens=NEW_TOKENS, assistant_model=assistant, **NO_EXIT)
+    assert torch.equal(assisted, full_greedy(model, inputs))
+
+
+def test_a_cache_passed_in_is_refused_even_when_empty(model):
+    from hf_earlyexit.modeling.early_exit_cache import EarlyExitCache
+
+    with pytest.raises(ValueError, match="empty cache of its own.*without `past_key_values`"):
+        speculative(model, mixed_lengths(1), FixedLayerExit(1), past_key_values=EarlyExitCache(model.config))
 
 
 @pytest.mark.parametrize("batch", [1, 4])
