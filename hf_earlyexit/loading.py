@@ -11,6 +11,8 @@ from .publishing import check_model_dir
 
 # The small calibrated model that ships inside the package (what `hf-earlyexit demo` runs).
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "embedded_model"
+# The config fields that shape exit heads' weights; the others (e.g. MuE's `decompose_encoder_modalities`) load any.
+HEAD_SHAPES = ("exit_adapter_dim", "exit_transformer_layers")
 
 
 def load_image(path: str | Path) -> Image.Image:
@@ -34,7 +36,7 @@ def load_model_and_processor(model_dir: str | Path, **config_fields: Any) -> tup
     path = Path(model_dir)
     saved = check_model_dir(path)
     for name, value in config_fields.items():  # heads of another shape than the saved ones cannot load their weights
-        if saved.get(name) is not None and saved[name] != value:
+        if name in HEAD_SHAPES and saved.get(name) is not None and saved[name] != value:
             raise ValueError(f"{path} has {name}={saved[name]!r}; it cannot load as {name}={value!r}.")
     model = AutoModel.from_pretrained(path, trust_remote_code=True, **config_fields).eval()
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)

@@ -19,7 +19,9 @@ class ExitDiscriminators(nn.Module):
         )
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """features [exits, tokens, d_model], exit j's for discriminator j -> logits [exits, tokens]."""
+        """features [exits, tokens, d_model], exit j's for discriminator j -> logits [exits, tokens], in the
+        discriminators' dtype (float32 beside a bfloat16 model: the features are cast, their gradients cast back)."""
+        features = features.to(self.discriminators[0][0].weight.dtype)
         return torch.stack([d(x).squeeze(-1) for d, x in zip(self.discriminators, features, strict=True)])
 
 

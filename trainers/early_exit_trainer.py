@@ -76,42 +76,64 @@ class EarlyExitTrainer(Seq2SeqTrainer):
     def __init__(self, model: nn.Module | None = None, args: EarlyExitTrainingArguments | None = None, **kwargs):
         if not isinstance(args, EarlyExitTrainingArguments):
             raise ValueError(f"`args` must be EarlyExitTrainingArguments, got {type(args).__name__}.")
-        own_generation_config = getattr(model, "generation_config", None)
-        super().__init__(model=model, args=args, **kwargs)
         # Seq2SeqTrainer makes `args.generation_config` the model's, saved with it: the settings of an evaluation
         # (exit knobs, lengths) would become the model's defaults, and its special tokens and calibrated exits would
         # be lost. Here it serves the evaluation's `generate` alone, over the model's own.
-        self.evaluation_generation_config = None
-        if args.generation_config is not None and own_generation_config is not None:
-            self.evaluation_generation_config = self.model.generation_config
-            self.model.generation_config = own_generation_config
+        evaluation_config, args.generation_config = args.generation_config, None
+        try:
+            super().__init__(model=model, args=args, **kwargs)
+        finally:
+            args.generation_config = evaluation_config
+        self.evaluation_generation_config = (
+            None if evaluation_config is None else self.load_generation_config(evaluation_config)
+        )
         # Our forward takes no loss kwargs, but compute_loss does: this makes the Trainer count the label tokens.
         self.model_accepts_loss_kwargs = True
+        if model is not None:  # a model from `model_init` was prepared as it was made
+            self.prepare_model(model)
         # The Trainer writes `args.use_cache` (False) into the config, which would then be saved with the model;
         # the losses never use the cache (compute_loss says so), and `generate` after training should.
         self.model.config.use_cache = True
-        config = self.model.config
+        self.discriminators = self.discriminator_optimizer = None
+        if args.exit_loss == "adversarial":  # in float32 on the training device, whatever the model's dtype
+            config = self.model.config
+            self.discriminators = ExitDiscriminators(
+                len(config.exit_points), config.d_model, args.discriminator_hidden_size
+            ).to(args.device)
+        # Per logged term, since the last log, per optimizer step: (its token sum, the tokens) of each micro-batch.
+        self._exit_metrics: dict[str, dict[int, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """The Trainer's (`model_init`, at construction and again at each `train`), prepared as a given model is."""
+        model = super().call_model_init(trial)
+        self.prepare_model(model)
+        return model
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Check `model`'s exit heads against the loss, freeze its backbone (`freeze_backbone`), and warn of saved
+        exit defaults that this training will make stale."""
+        args, config = self.args, model.config
         self.exit_points = config.exit_points
         self.num_layers = config.decoder_layers
         self.loss_weights = self.resolve_loss_weights()
         self.check_exit_heads(config)
-        if args.freeze_backbone and hasattr(self.model, "peft_config"):
+        if args.freeze_backbone and hasattr(model, "peft_config"):
             raise ValueError(
                 "`freeze_backbone` on a PEFT model would freeze its adapters too, and PEFT saves only its own "
                 "modules, so the trained exit heads would be lost: freeze with PEFT instead and list the exit heads "
                 "in `modules_to_save`."
             )
         if args.freeze_backbone:
-            for name, parameter in self.model.named_parameters():
+            for name, parameter in model.named_parameters():
                 parameter.requires_grad_(in_exit_head(name))
-        heads = [parameter for name, parameter in self.model.named_parameters() if in_exit_head(name)]
+        heads = [parameter for name, parameter in model.named_parameters() if in_exit_head(name)]
         if args.exit_loss in HEAD_LOSSES and not any(parameter.requires_grad for parameter in heads):
             names = [f"{module}.{index}" for module in EXIT_HEAD_MODULES for index in range(len(self.exit_points))]
             raise ValueError(
                 f"exit_loss={args.exit_loss!r} trains the exit heads, but every one of them is frozen (a PEFT model "
                 f"freezes all but its adapters): list them in PEFT's `modules_to_save` (those of {names} it has)."
             )
-        generation_config = self.model.generation_config  # read as saved: `generate` checks it against the model
+        generation_config = model.generation_config  # read as saved: `generate` checks it against the model
         saved = non_default_knobs({name: getattr(generation_config, name, value) for name, value in EXIT_KNOBS.items()})
         saved.pop("draft_vocabulary", None)  # counted in the data's references, not chosen for the weights
         if saved:  # e.g. a calibration's thresholds, which training moves away from
@@ -119,15 +141,8 @@ class EarlyExitTrainer(Seq2SeqTrainer):
                 f"The model's saved exit defaults {saved} were chosen for its weights before this training: "
                 "recalibrate (`hf-earlyexit calibrate MODEL_DIR --write`) before relying on them.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        self.discriminators = self.discriminator_optimizer = None
-        if args.exit_loss == "adversarial":
-            self.discriminators = ExitDiscriminators(
-                len(self.exit_points), config.d_model, args.discriminator_hidden_size
-            )
-        # Per logged term, since the last log: (its token sum, the tokens) of each micro-batch.
-        self._exit_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
 
     # --- set-up checks --------------------------------------------------------------------------------------------
 
@@ -231,7 +246,7 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         loss = self.normalise(loss, training, num_items_in_batch, tokens)
         if training:
             for name, term in terms.items():
-                self._exit_metrics[name].append(torch.stack([term.detach(), tokens.to(term.dtype)]))
+                self.record_term(name, term.detach(), tokens.to(term.dtype))
         return (loss, outputs) if return_outputs else loss
 
     def backbone_as_at_inference(self, model: nn.Module) -> None:
@@ -347,7 +362,7 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             self.accelerator.backward(loss / self.current_gradient_accumulation_steps)
         self.discriminator_optimizer.step()
         self.discriminator_optimizer.zero_grad()
-        self._exit_metrics["loss_disc"].append(torch.stack([loss.detach(), torch.ones_like(loss.detach())]))
+        self.record_term("loss_disc", loss.detach(), torch.ones_like(loss.detach()))
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
@@ -375,7 +390,10 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             return
         path = os.path.join(checkpoint, DISCRIMINATORS_NAME)
         if not os.path.isfile(path):
-            raise ValueError(f"{checkpoint} has no {DISCRIMINATORS_NAME}: it was not saved by adversarial training.")
+            raise ValueError(
+                f"{checkpoint} has no {DISCRIMINATORS_NAME}: it was not saved by adversarial training, or was saved "
+                "with `save_only_model=True`, which keeps no optimizer states to resume from."
+            )
         # On the host, as the Trainer loads its own state: `args.device` (e.g. "cpu:0" in a process group) is not a
         # location torch can restore to. Loading the states moves them to the discriminators' device.
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -420,13 +438,20 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         )
         (output / "README.md").write_text(card)
 
+    def record_term(self, name: str, total: torch.Tensor, count: torch.Tensor) -> None:
+        """A micro-batch's `total` of the logged term `name` over its `count` (tokens), in this optimizer step."""
+        self._exit_metrics[name][self.state.global_step].append(torch.stack([total, count]))
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Adds each loss term's per-token mean since the last log, over every process, to the training logs."""
+        """Adds each loss term to the training logs as the Trainer logs `loss`: per optimizer step, the term's
+        per-token mean over every process's accumulated batch; averaged over the steps since the last log."""
         if "loss" in logs and self._exit_metrics:
             names = sorted(self._exit_metrics)
-            sums = torch.stack([torch.stack(self._exit_metrics[name]).sum(dim=0) for name in names])  # [terms, 2]
-            sums = self.accelerator.reduce(sums, reduction="sum")
-            means = (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
+            per_step = [
+                [torch.stack(batches).sum(dim=0) for batches in self._exit_metrics[name].values()] for name in names
+            ]
+            sums = self.accelerator.reduce(torch.stack([torch.stack(steps) for steps in per_step]), reduction="sum")
+            means = (sums[..., 0] / sums[..., 1].clamp(min=1)).mean(dim=1).tolist()  # [terms, steps, 2] -> [terms]
             logs.update({name: float(value) for name, value in zip(names, means, strict=True)})
             self._exit_metrics.clear()
         super().log(logs, start_time)

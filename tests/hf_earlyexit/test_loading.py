@@ -29,6 +29,11 @@ def test_load_model_and_processor_applies_config_fields_and_refuses_other_folder
     model, processor = load_model_and_processor(tmp_path / "model", exit_adapter_dim=8)
     assert not model.training and model.config.exit_adapter_dim == 8
     assert len(processor.tokenizer) == len(tokenizer)
+    model.save_pretrained(tmp_path / "adapted")
+    with pytest.raises(ValueError, match="exit_adapter_dim=8; it cannot load as exit_adapter_dim=16"):
+        load_model_and_processor(tmp_path / "adapted", exit_adapter_dim=16)  # its adapters' weights have one shape
+    decomposed, _ = load_model_and_processor(tmp_path / "model", decompose_encoder_modalities=True)  # MuE's example
+    assert decomposed.config.decompose_encoder_modalities  # a flag over the same weights: a joint model loads
     with pytest.raises(ValueError, match="not a model folder"):
         load_model_and_processor(tmp_path)
     (tmp_path / "bert").mkdir()

@@ -209,6 +209,38 @@ def test_a_frozen_backbone_runs_as_at_inference_and_stays_bit_identical(tmp_path
     assert changed and all("exit_adapters" in name for name in changed), sorted(changed)[:4]
 
 
+def test_a_model_from_model_init_is_frozen_and_checked_as_a_given_one(tmp_path):
+    """`model_init` (as `hyperparameter_search` uses) makes a new model at each `train`: it gets the same set-up."""
+    made = []
+
+    def model_init():
+        made.append(tiny_model(decoder_layers=DEPTH, exit_adapter_dim=8))
+        return made[-1]
+
+    arguments_ = arguments(tmp_path, exit_loss="deep_supervision", freeze_backbone=True, max_steps=1)
+    trainer = EarlyExitTrainer(model_init=model_init, args=arguments_, train_dataset=TinyCaptions())
+    before = {
+        name: value.detach().clone()
+        for name, value in tiny_model(decoder_layers=DEPTH, exit_adapter_dim=8).named_parameters()
+    }
+    trainer.train()
+    assert len(made) == 2 and trainer.model is made[-1]
+    changed = {name for name, value in trainer.model.named_parameters() if not torch.equal(value, before[name])}
+    assert changed and all("exit_adapters" in name for name in changed), sorted(changed)[:4]
+    with pytest.raises(ValueError, match="deep_supervision"):
+        EarlyExitTrainer(
+            model_init=lambda: tiny_model(decoder_layers=DEPTH), args=arguments_, train_dataset=TinyCaptions()
+        )
+
+
+def test_adversarial_training_of_a_bfloat16_model_keeps_its_discriminators_in_float32(tmp_path):
+    model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2]).to(torch.bfloat16)
+    trainer = trainer_for(tmp_path, model, exit_loss="adversarial", freeze_backbone=True, max_steps=1)
+    trainer.train()
+    assert all(p.dtype == torch.float32 for p in trainer.discriminators.parameters())
+    assert torch.isfinite(torch.tensor(trainer.state.log_history[0]["loss_adv_2"]))
+
+
 def test_the_discriminators_step_before_the_generators_loss_reads_them(tmp_path, monkeypatch):
     """FREE's alternation: on each micro-batch the discriminators learn from its features, then the exits' loss is
     taken against the discriminators as they now are."""
@@ -245,6 +277,21 @@ def test_per_exit_losses_are_logged(tmp_path):
     logged = trainer.state.log_history[0]
     assert {"loss", "loss_exit_1", "loss_exit_2", "loss_exit_3", "loss_final"} <= set(logged)
     assert logged["loss_exit_1"] > logged["loss_final"] > 0 or logged["loss_exit_1"] > 0
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_uniform_terms_sum_to_the_logged_loss_over_several_steps(tmp_path, accumulation):
+    """The Trainer logs the mean of each step's per-token loss: the terms are averaged the same way, also when the
+    steps hold different token counts."""
+    dataset = TinyCaptions(size=8, lengths=(5, 5, 1, 1, 1, 1, 1, 1))
+    trainer = trainer_for(
+        tmp_path, dataset=dataset, max_steps=4 // accumulation, logging_steps=4 // accumulation, learning_rate=0.0,
+        per_device_train_batch_size=2, gradient_accumulation_steps=accumulation, exit_loss_weights="uniform",
+    )  # fmt: skip
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    terms = [logged[f"loss_exit_{layer}"] for layer in range(1, DEPTH)] + [logged["loss_final"]]
+    assert sum(terms) == pytest.approx(logged["loss"], rel=1e-4)
 
 
 def test_a_trained_model_generates_with_exits_and_saves_use_cache(tmp_path):
@@ -454,7 +501,7 @@ def test_resuming_adversarial_training_from_a_checkpoint_without_discriminators_
 
     adversarial_trainer(2).train()
     (tmp_path / "out" / "checkpoint-2" / DISCRIMINATORS_NAME).unlink()
-    with pytest.raises(ValueError, match=DISCRIMINATORS_NAME):
+    with pytest.raises(ValueError, match=f"{DISCRIMINATORS_NAME}.*save_only_model=True"):
         adversarial_trainer(3).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
 
 
