@@ -88,6 +88,11 @@ def check_samples(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size must be positive, got {args.batch_size}.")
 
 
+def check_meteor(args: argparse.Namespace) -> None:
+    if args.meteor and args.task != "caption":
+        raise ValueError(f"--meteor scores captions; --task {args.task} has none: drop --meteor.")
+
+
 def with_default_samples(args: argparse.Namespace, samples: int, batch_size: int) -> None:
     """`--samples` and `--batch-size` where not given (a 0 is given, and refused), checked."""
     args.samples = samples if args.samples is None else args.samples
@@ -136,6 +141,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from .sharding import is_main_process
 
     check_samples(args)
+    check_meteor(args)
     given = given_knobs(args)
     if args.full and given:
         raise ValueError(f"--full runs the full model: drop the exit knobs {sorted(given)}.")
@@ -329,6 +335,7 @@ def bench_model(args: argparse.Namespace, device: "torch.device") -> dict[str, A
             f"{unused} set up --forced-exit / --training-step: a model folder's benchmark has no use for them."
         )
     check_samples(args)
+    check_meteor(args)
     if args.full:
         raise ValueError("bench times the full model beside the exits anyway: drop --full.")
     model, processor = load_model_and_processor(args.model_dir)
@@ -365,7 +372,7 @@ def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> di
             raise ValueError(f"--training-step times one batch size, got {list(batch_sizes)}.")
         return training_step_benchmark(
             args.preset,
-            exit_losses=tuple(args.exit_losses.split(",")),
+            exit_losses=tuple(loss.strip() for loss in args.exit_losses.split(",")),
             batch_size=batch_sizes[0] if batch_sizes else 8,
             image_size=args.image_size,
             target_length=args.new_tokens,
@@ -467,7 +474,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-column", default="image")
     parser.add_argument("--text-column", default="question", help="prompt column ('' = use --prompt for all rows)")
     parser.add_argument("--target-column", default="answer")
-    parser.add_argument("--prompt", default=CAPTION_PROMPT)
+    parser.add_argument("--prompt", help=f"every row's prompt, with --text-column '' (default {CAPTION_PROMPT!r})")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--max-steps", type=positive_int, default=1000)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
@@ -503,7 +510,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     )
     last = [entry for entry in trainer.state.log_history if "loss" in entry][-1]
     losses = {key: round(value, 4) for key, value in last.items() if key.startswith("loss")}
-    print(f"trained {args.max_steps} steps with exit_loss={args.exit_loss!r}; last logged {losses}")
+    print(f"trained to step {trainer.state.global_step} with exit_loss={args.exit_loss!r}; last logged {losses}")
     print(f"saved the model and processor to {args.output_dir}")
 
 
@@ -610,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--max-exit-layers", default="any", help="the last decoder layer asked, to sweep: any,1,2 (default any)"
     )
-    calibrate.add_argument("--plot", help="write the quality / time-reduction trade-off to this PNG")
+    calibrate.add_argument("--plot", help="write the quality / time-reduction trade-off to this image (e.g. a PNG)")
     calibrate.add_argument("--write", action="store_true", help="save the choice as the model's generation defaults")
     calibrate.add_argument("--quiet", action="store_true", help="no progress bar")
     calibrate.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")
@@ -721,8 +728,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.run(args)
     except (ValueError, OSError, PublishError) as error:
-        print(f"hf-earlyexit: error: {error}", file=sys.stderr)
+        print(f"hf-earlyexit: error: {' '.join(str(error).split())}", file=sys.stderr)  # one line, as promised
         return 2
+    except KeyboardInterrupt:
+        print("\nhf-earlyexit: interrupted (a stopped `train` continues with --resume)", file=sys.stderr)
+        return 130
     return 0
 
 

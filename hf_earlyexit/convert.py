@@ -21,6 +21,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .loading import build_processor
@@ -120,10 +121,14 @@ def load_official_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tensor
     if not source.exists():
         raise ValueError(f"No checkpoint at {source}.")
     if source.is_dir():
-        config_path = source / "config.json"
-        port_config = json.loads(config_path.read_text()) if config_path.exists() else None
+        port_config = read_port_config(source / "config.json")
         if (source / "model.safetensors").exists():
-            return load_file(source / "model.safetensors"), port_config
+            try:
+                return load_file(source / "model.safetensors"), port_config
+            except SafetensorError as error:
+                raise ValueError(
+                    f"{source / 'model.safetensors'} is not a readable safetensors file ({error})."
+                ) from None
         if (source / "pytorch_model.bin").exists():
             return _torch_load(source / "pytorch_model.bin"), port_config
         fairseq_files = sorted(source.glob("*.pt"))
@@ -133,8 +138,24 @@ def load_official_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tensor
             )
         source = fairseq_files[0]
     checkpoint = _torch_load(source)
-    weights = checkpoint.get("model", checkpoint)
+    weights = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else None
+    if not isinstance(weights, dict):
+        raise ValueError(f"{source} holds a {type(checkpoint).__name__}, not a checkpoint (a dict of weights).")
     return {rename_fairseq_key(key): value for key, value in weights.items()}, None
+
+
+def read_port_config(path: Path) -> dict | None:
+    """The HF port's config.json, None when absent. ValueError naming the file when it is not JSON, or when it is an
+    hf-earlyexit model's (nothing to convert)."""
+    if not path.exists():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}).") from None
+    if isinstance(config, dict) and config.get("model_type") == OFAEarlyExitConfig.model_type:
+        raise ValueError(f"{path.parent} is an hf-earlyexit model already: load it as it is, nothing to convert.")
+    return config
 
 
 def _torch_load(path: Path) -> dict:

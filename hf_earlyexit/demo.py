@@ -12,7 +12,7 @@ import torch
 from .benchmark import task_benchmark
 from .evaluation import run_knobs, task_inputs
 from .loading import EMBEDDED_MODEL_DIR, load_model_and_processor
-from .plots import exit_picture
+from .plots import check_plot_path, exit_picture
 
 # Test rows per task for the full vs early-exit comparison, and examples per task shown token by token.
 DEMO_SAMPLES = {"vqa": 200, "entailment": 200, "caption": 100}
@@ -62,6 +62,7 @@ def run_demo(
     caller can show progress; the last one is complete. ValueError when the model has no calibrated exit defaults.
     """
     model_dir = Path(model_dir or EMBEDDED_MODEL_DIR)
+    check_plot_path(Path(output_dir) / "caption_exits.png", "--output-dir")  # before minutes of work, not after
     model, processor = load_model_and_processor(model_dir)
     knobs = run_knobs(model)
     if not knobs:

@@ -5,7 +5,9 @@ from pathlib import Path
 from typing import Any
 
 from PIL import Image, UnidentifiedImageError
+from safetensors import SafetensorError
 
+from .modeling.modeling_ofa import in_exit_head
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from .publishing import check_model_dir
 
@@ -38,9 +40,25 @@ def load_model_and_processor(model_dir: str | Path, **config_fields: Any) -> tup
     for name, value in config_fields.items():  # heads of another shape than the saved ones cannot load their weights
         if name in HEAD_SHAPES and saved.get(name) is not None and saved[name] != value:
             raise ValueError(f"{path} has {name}={saved[name]!r}; it cannot load as {name}={value!r}.")
-    model = AutoModel.from_pretrained(path, trust_remote_code=True, **config_fields).eval()
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # Transformers' table of missing weights: the check below says what matters
+    try:
+        model, loaded = AutoModel.from_pretrained(
+            path, trust_remote_code=True, output_loading_info=True, **config_fields
+        )
+    except SafetensorError as error:
+        raise ValueError(f"{path}: its weights are not a readable safetensors file ({error}).") from None
+    finally:
+        logging.set_verbosity(verbosity)
+    missing = sorted(name for name in loaded["missing_keys"] if not in_exit_head(name))  # new heads start as identity
+    unexpected = sorted(loaded["unexpected_keys"])
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: the weights do not fit config.json ({len(missing)} missing, e.g. {missing[:2]}; "
+            f"{len(unexpected)} unexpected, e.g. {unexpected[:2]}): a config edited apart from its weights?"
+        )
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
-    return model, processor
+    return model.eval(), processor
 
 
 def build_processor(tokenizer_dir: str | Path, image_size: int, config: Any) -> OFAProcessor:

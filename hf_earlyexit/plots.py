@@ -42,21 +42,21 @@ def policy_of(settings: dict[str, Any]) -> str:
     return f"decoder {settings.get('exit_policy', 'similarity')}" + (" + encoder" if encoder else "")
 
 
-def check_plot_path(path: str | Path) -> None:
-    """ValueError unless matplotlib can write an image of `path`'s kind (its suffix) there: a file, in a folder
-    that exists or can be made, that this process may write."""
+def check_plot_path(path: str | Path, option: str = "--plot") -> None:
+    """ValueError, naming the command-line `option` that gave `path`, unless matplotlib can write an image of its
+    kind (its suffix) there: a file, in a folder that exists or can be made, that this process may write."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     kinds = FigureCanvasBase.get_supported_filetypes()
     target = Path(path)
     if target.suffix.lstrip(".").lower() not in kinds or target.is_dir():
-        raise ValueError(f"--plot {path}: name an image file, one of {sorted(kinds)} (e.g. tradeoff.png).")
+        raise ValueError(f"{option} {path}: name an image file, one of {sorted(kinds)} (e.g. tradeoff.png).")
     folder = target.absolute().parent
     while not folder.exists():  # `save` makes the missing folders in the first one that exists
         folder = folder.parent
     writable = os.access(target, os.W_OK) if target.exists() else os.access(folder, os.W_OK | os.X_OK)
     if not folder.is_dir() or not writable:
-        raise ValueError(f"--plot {path}: {folder} is not a folder this process can write the picture into.")
+        raise ValueError(f"{option} {path}: {folder} is not a folder this process can write the picture into.")
 
 
 def tradeoff_plot(

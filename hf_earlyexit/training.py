@@ -3,6 +3,7 @@ trains exits on any image-text data set by column names, and the run behind `hf-
 `examples/` (their options: `hf_earlyexit.cli.add_training_arguments`)."""
 
 import argparse
+import json
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -10,11 +11,13 @@ from typing import Any
 
 import datasets
 import torch
+from safetensors import safe_open
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .data import CAPTION_PROMPT, ImageTextCollator, easy_vqa, load_image_text_dataset, row_text, train_tokenizer
 from .loading import load_model_and_processor
 from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
+from .modeling.modeling_ofa import in_exit_head
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from .trainers import EarlyExitTrainer, EarlyExitTrainingArguments
 
@@ -99,6 +102,11 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     there every `options.save_steps` steps, keeping the last, so that a stopped run continues (`options.resume`);
     the saved model replaces the checkpoint."""
     text_column = options.text_column or None
+    if options.prompt is not None and text_column:
+        raise ValueError(
+            f"--prompt gives every row one prompt, but the rows' prompts come from --text-column {text_column!r}: "
+            "give --text-column '' with --prompt, or drop --prompt."
+        )
     columns = (options.image_column, text_column, options.target_column)
     output_dir, checkpoint = Path(options.output_dir), None
     if options.resume:
@@ -128,9 +136,10 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
         report_to="none",
         **training_arguments,
     )
-    trainer = train_exits(
-        model, processor, dataset, args, *columns, prompt=options.prompt, resume_from_checkpoint=checkpoint
-    )
+    if checkpoint is not None:
+        check_resumable(Path(checkpoint), model, options.max_steps)
+    prompt = CAPTION_PROMPT if options.prompt is None else options.prompt
+    trainer = train_exits(model, processor, dataset, args, *columns, prompt=prompt, resume_from_checkpoint=checkpoint)
     trainer.save_model()
     if trainer.is_world_process_zero():
         for folder in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
@@ -146,6 +155,38 @@ def check_output_dir(output_dir: Path) -> None:
             f"{output_dir} is not an empty folder: train into a new one, or --resume a stopped run's last checkpoint "
             "there (nothing was overwritten)."
         )
+
+
+def check_resumable(checkpoint: Path, model: Any, max_steps: int) -> None:
+    """A stopped run continues with the model it trained and more steps than it took. ValueError otherwise: the
+    Trainer would fail to load another model's weights (or optimizer), or end at once and the checkpoint be gone."""
+    state = checkpoint / "trainer_state.json"
+    step = json.loads(state.read_text())["global_step"] if state.is_file() else 0
+    if step >= max_steps:
+        raise ValueError(
+            f"{checkpoint} stopped at step {step}: --max-steps {max_steps} leaves nothing to train; give the stopped "
+            "run's --max-steps (or more) to continue it."
+        )
+    saved = saved_shapes(checkpoint)
+    own = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
+    differ = [name for name, shape in saved.items() if own.get(name) != shape]
+    differ += [name for name in own if name not in saved and in_exit_head(name)]  # heads the stopped run had not
+    if differ:
+        name = differ[0]
+        raise ValueError(
+            f"{checkpoint} holds another model's weights than the one these options make ({name}: "
+            f"{saved.get(name, 'absent')} there, {own.get(name, 'absent')} here): resume with the stopped run's "
+            "--model-dir and head options."
+        )
+
+
+def saved_shapes(folder: Path) -> dict[str, list[int]]:
+    """The shape of every tensor in `folder`'s safetensors files, read from their headers."""
+    shapes = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "pt") as weights:
+            shapes.update({name: list(weights.get_slice(name).get_shape()) for name in weights.keys()})
+    return shapes
 
 
 def last_checkpoint(output_dir: Path) -> str:

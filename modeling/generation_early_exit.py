@@ -33,6 +33,7 @@ from transformers.utils import ModelOutput, logging
 from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitController, SimilarityExit, make_controller, per_row
 from .exit_knobs import (
+    DRAFTING_KNOBS,
     ENCODER_PARTS,
     EXIT_KNOBS,
     EXIT_PARTS,
@@ -126,6 +127,12 @@ class EarlyExitSettings:
             draft_max_batch_size=value["draft_max_batch_size"],
         )
         if settings.exit_mode != "speculative":
+            drafts = sorted(name for name in DRAFTING_KNOBS if knobs.get(name) is not None)
+            if drafts:  # they would be ignored
+                raise ValueError(
+                    f"{drafts} set speculative mode's drafts, but this call decodes with lossy exits "
+                    '(`exit_mode="exit"`): add `exit_mode="speculative"`, or drop them.'
+                )
             return settings
         vocabulary = value["draft_vocabulary"]
         ids = vocabulary.tolist() if hasattr(vocabulary, "tolist") else vocabulary  # a tensor or an array
@@ -631,11 +638,7 @@ def check_decoding(settings: EarlyExitSettings, generation_config: GenerationCon
         return
     if (kwargs.get("num_beams") or generation_config.num_beams or 1) > 1:
         raise ValueError('`exit_mode="speculative"` decodes greedily or by sampling: set `num_beams=1`.')
-    if kwargs.get("past_key_values") is not None:  # its cache keeps what drafts and verifications wrote, per row
-        raise ValueError(
-            '`exit_mode="speculative"` decodes from an empty cache of its own: pass the whole decoder prefix as '
-            "`decoder_input_ids`, without `past_key_values`."
-        )
+    check_speculative_cache(kwargs.get("past_key_values"))
     outputs = ("output_attentions", "output_hidden_states")
     asked = [name for name in outputs if kwargs.get(name, getattr(generation_config, name, None))]
     if asked or kwargs.get("synced_gpus"):
@@ -644,6 +647,24 @@ def check_decoding(settings: EarlyExitSettings, generation_config: GenerationCon
         kwargs.get("num_assistant_tokens", generation_config.num_assistant_tokens),
         kwargs.get("num_assistant_tokens_schedule", generation_config.num_assistant_tokens_schedule),
     )
+
+
+def check_speculative_cache(cache: Any) -> None:
+    """A cache passed to speculative mode (to read it after the call) must be empty, and keep exact keys and values
+    (`EarlyExitCache(config, "recompute")`, alone or in an `EncoderDecoderCache`), as the one it makes itself."""
+    if cache is None:
+        return
+    own = getattr(cache, "self_attention_cache", cache)
+    if own.get_seq_length() > 0:
+        raise ValueError(
+            '`exit_mode="speculative"` decodes from an empty cache: pass the whole decoder prefix as '
+            "`decoder_input_ids`, without `past_key_values`."
+        )
+    if not isinstance(own, EarlyExitCache) or own.kv_strategy != "recompute":
+        raise ValueError(
+            '`exit_mode="speculative"` keeps exact keys and values: pass no cache, or an empty '
+            '`EarlyExitCache(config, "recompute")`.'
+        )
 
 
 def check_draft_length(draft_tokens: Any, schedule: Any) -> None:

@@ -1961,7 +1961,24 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
         return output if return_dict else output.to_tuple()
 
 
-__all__ = ["EarlyExitOFAForConditionalGeneration", "EarlyExitSeq2SeqLMOutput", "OFAPreTrainedModel", "OFAEncoderOutput"]
+# The decoder's exit-head modules (DEED's adapters, BLIPEE's exit layers): what a new model config may add to saved
+# weights (they start as the identity), and all that training with a frozen backbone changes.
+EXIT_HEAD_MODULES = ("exit_adapters", "exit_transformer_layers")
+
+
+def in_exit_head(name: str) -> bool:
+    """Whether the parameter or module `name` belongs to an exit head."""
+    return any(part in name.split(".") for part in EXIT_HEAD_MODULES)
+
+
+__all__ = [
+    "EXIT_HEAD_MODULES",
+    "EarlyExitOFAForConditionalGeneration",
+    "EarlyExitSeq2SeqLMOutput",
+    "OFAEncoderOutput",
+    "OFAPreTrainedModel",
+    "in_exit_head",
+]
 
 # Saving writes this file beside the weights; `auto_map` then lets the auto classes load it with
 # trust_remote_code=True.

@@ -43,6 +43,7 @@ from ..model_cards import NOT_MEASURED, measured_table, read_benchmark, render_m
 from ..modeling.exit_controllers import FixedLayerExit
 from ..modeling.exit_knobs import EXIT_KNOBS, non_default_knobs
 from ..modeling.generation_early_exit import EarlyExitSettings
+from ..modeling.modeling_ofa import EXIT_HEAD_MODULES, in_exit_head
 from .discriminator import ExitDiscriminators
 from .early_exit_config import LABEL_FREE_LOSSES, EarlyExitTrainingArguments
 from .losses import (
@@ -54,8 +55,6 @@ from .losses import (
     layerwise_loss,
 )
 
-# The model's exit-head modules: all that `freeze_backbone` leaves trainable.
-EXIT_HEAD_MODULES = ("exit_adapters", "exit_transformer_layers")
 DISCRIMINATORS_NAME = "discriminators.pt"
 
 
@@ -455,11 +454,6 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             logs.update({name: float(value) for name, value in zip(names, means, strict=True)})
             self._exit_metrics.clear()
         super().log(logs, start_time)
-
-
-def in_exit_head(name: str) -> bool:
-    """Whether the parameter or module `name` belongs to an exit head (what `freeze_backbone` leaves training)."""
-    return any(part in name.split(".") for part in EXIT_HEAD_MODULES)
 
 
 def decoder_targets(inputs: dict[str, Any]) -> torch.Tensor:

@@ -186,7 +186,13 @@ def test_a_stopped_train_run_resumes_from_its_last_checkpoint(tmp_path, capsys, 
     assert [path.name for path in (tmp_path / "run").iterdir()] == ["checkpoint-2"]  # the last one kept
     capsys.readouterr()
     assert main(argv) == 2 and "--resume" in capsys.readouterr().err  # never over the stopped run
+    assert main([*argv, "--resume"]) == 2  # its 2 steps are done: nothing to train, and the checkpoint stays
+    assert "stopped at step 2: --max-steps 2 leaves nothing to train" in capsys.readouterr().err
     argv[argv.index("--max-steps") + 1] = "3"
+    heads = ["--exit-adapter-dim", "8", "--exit-loss", "deep_supervision"]  # not the model the run trained
+    assert main([*argv, *heads, "--resume"]) == 2
+    assert "holds another model's weights" in capsys.readouterr().err
+    assert [path.name for path in (tmp_path / "run").iterdir()] == ["checkpoint-2"]
     assert main([*argv, "--resume"]) == 0
     assert not list((tmp_path / "run").glob("checkpoint-*"))  # the saved model replaces the checkpoints
     assert AutoModel.from_pretrained(tmp_path / "run", trust_remote_code=True).config.decoder_layers > 0
@@ -209,6 +215,8 @@ def test_train_refuses_what_it_would_overwrite_or_could_not_load_in_one_line(tmp
     assert main([*TRAIN, shapes, "--model-dir", str(trained), *other]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "exit_adapter_dim=8" in error
+    assert main([*TRAIN, shapes, "--output-dir", str(tmp_path / "prompted"), "--prompt", " what is it?"]) == 2
+    assert "--text-column '' with --prompt" in capsys.readouterr().err  # the rows' questions would be used instead
     with pytest.raises(SystemExit) as exited:  # a width of 0 is no width, not "no heads"
         main([*TRAIN, shapes, "--output-dir", str(tmp_path / "zero"), "--exit-adapter-dim", "0"])
     assert exited.value.code == 2 and "--exit-adapter-dim" in capsys.readouterr().err
@@ -491,13 +499,50 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
         (["calibrate", "{m}", "--tasks", "vqa", "--risk", "0.1", "--tolerance", "0.5"], "give one of them"),
         (["calibrate", "{m}", "--tasks", "vqa", "--risk", "0.1", "--tolerance", "0.01"], "give one of them"),
         (["calibrate", "{m}", "--tasks", "vqa", "--delta", "0.5"], "--delta is the error level of --risk's"),
+        (["eval", "{m}", "--task", "vqa", "--meteor"], "--meteor scores captions; --task vqa has none"),
+        (["bench", "{m}", "--task", "vqa", "--meteor"], "--meteor scores captions"),
+        (["eval", "{m}", "--task", "vqa", "--exit-threshold", "0.5", "--draft-exit-threshold", "0.3"], "lossy exits"),
+        (["demo", "{m}", "--output-dir", "{m}/config.json"], "--output-dir {m}/config.json/caption_exits.png"),
+        (["caption", "{t}/weights_cut", "{t}/ok.png"], "not a readable safetensors file"),
+        (["eval", "{t}/deeper", "--task", "vqa"], "the weights do not fit config.json ("),
+        (["convert", "--from", "{t}/list.pt", "--to", "{t}/converted"], "holds a list, not a checkpoint"),
+        (["convert", "--from", "{m}", "--to", "{t}/converted"], "is an hf-earlyexit model already"),
     ],
 )
 def test_task_command_errors_are_one_line(task_model_dir, tmp_path, capsys, argv, message):
+    import shutil
+
+    shutil.copytree(task_model_dir, tmp_path / "weights_cut")
+    weights = tmp_path / "weights_cut" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    shutil.copytree(task_model_dir, tmp_path / "deeper")  # a config.json edited apart from its weights
+    config = json.loads((tmp_path / "deeper" / "config.json").read_text())
+    (tmp_path / "deeper" / "config.json").write_text(json.dumps({**config, "decoder_layers": 5}))
+    torch.save([1, 2], tmp_path / "list.pt")
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
     argv = [arg.format(t=tmp_path, m=task_model_dir) for arg in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("hf-earlyexit: error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("hf-earlyexit: error: ") and message.format(m=task_model_dir) in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_an_error_of_several_lines_is_printed_as_one_and_an_interrupt_says_how_to_go_on(capsys, monkeypatch):
+    from hf_earlyexit import cli
+
+    def fails(args):
+        raise ValueError("first line\n  second line")
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    for run, status, said in (
+        (fails, 2, "hf-earlyexit: error: first line second line\n"),
+        (interrupted, 130, "--resume"),
+    ):
+        monkeypatch.setattr(cli, "cmd_caption", run)
+        assert main(["caption", "model", "image.png"]) == status
+        assert said in capsys.readouterr().err
 
 
 def test_demo_uses_the_embedded_model_and_shows_exit_layers_and_savings(tmp_path, capsys):

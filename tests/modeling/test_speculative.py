@@ -497,6 +497,8 @@ def test_a_bad_saved_draft_threshold_is_refused_in_every_mode(model):
         (dict(exit_mode="speculative", exit_threshold=0.5, encoder_exit_threshold=0.9), "encoder_exit_threshold"),
         (dict(exit_mode="speculative", exit_threshold=0.5, output_hidden_states=True), "output_hidden_states"),
         (dict(exit_mode="lossless"), "exit_mode"),
+        (dict(exit_threshold=0.5, draft_exit_threshold=0.3), r"\['draft_exit_threshold'\] set speculative.*lossy"),
+        (dict(draft_max_batch_size=4, draft_vocabulary=[3, 4]), r"\['draft_max_batch_size', 'draft_vocabulary'\]"),
         (dict(exit_mode="speculative", draft_exit_policy="random", draft_exit_threshold=0.5), "draft_exit_policy"),
         (dict(exit_mode="speculative", exit_threshold=0.5, draft_max_batch_size=0), "draft_max_batch_size"),
         (dict(exit_mode="speculative", exit_threshold=0.5, draft_max_batch_size=2.5), "draft_max_batch_size"),
@@ -542,11 +544,14 @@ def test_without_exits_an_assistant_drafts_with_its_own_defaults_and_the_output_
     assert torch.equal(assisted, full_greedy(model, inputs))
 
 
-def test_a_cache_passed_in_is_refused_even_when_empty(model):
+def test_a_cache_passed_in_that_cannot_hold_exact_keys_and_values_is_refused_by_name(model):
+    from transformers.cache_utils import DynamicCache
+
     from hf_earlyexit.modeling.early_exit_cache import EarlyExitCache
 
-    with pytest.raises(ValueError, match="empty cache of its own.*without `past_key_values`"):
-        speculative(model, mixed_lengths(1), FixedLayerExit(1), past_key_values=EarlyExitCache(model.config))
+    for cache in (EarlyExitCache(model.config), DynamicCache()):  # built for `propagate`; not ours
+        with pytest.raises(ValueError, match='speculative.*empty `EarlyExitCache\\(config, "recompute"\\)`'):
+            speculative(model, mixed_lengths(1), FixedLayerExit(1), past_key_values=cache)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
