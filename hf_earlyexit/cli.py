@@ -34,7 +34,8 @@ def print_report(report: dict[str, Any], one_line: bool) -> None:
 
 def given_knobs(args: argparse.Namespace) -> dict[str, Any]:
     """The exit knobs given on the command line (`add_knob_arguments`); one given as 'none' is None whatever the
-    saved default (a threshold: that part runs in full; `--draft-max-batch-size`: drafts at any batch size)."""
+    saved default (a threshold: that part runs in full; `--max-exit-layer`: any layer; `--draft-max-batch-size`:
+    drafts at any batch size)."""
     given = {name: getattr(args, name) for name in EXIT_KNOBS if getattr(args, name, None) is not None}
     return {name: None if value == OFF else value for name, value in given.items()}
 
@@ -433,7 +434,10 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch-stop-fraction", dest="batch_stop_fraction", type=float)
     parser.add_argument(
-        "--max-exit-layer", dest="max_exit_layer", type=int, help="the last decoder layer a token may exit after"
+        "--max-exit-layer",
+        dest="max_exit_layer",
+        type=int_or_off,
+        help="the last decoder layer a token may exit after ('none': any, whatever the saved default)",
     )
     parser.add_argument(
         "--exit-mode",

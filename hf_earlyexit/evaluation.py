@@ -23,6 +23,7 @@ from .modeling.exit_knobs import (
     ENCODER_PARTS,
     NO_EXIT,
     SPECULATIVE_KNOBS,
+    check_drafts_used,
     drafts_with_exit_knobs,
     non_default_knobs,
     resolve_knobs,
@@ -143,6 +144,7 @@ def run_knobs(model, full: bool = False, **given: Any) -> dict[str, Any]:
     if resolved.get("exit_mode") == "speculative":  # it sets aside the saved defaults that would change its output
         set_aside = {*SPECULATIVE_KNOBS, *(DRAFT_KNOBS if drafts_with_exit_knobs(given) else ())}
     else:  # saved drafts serve speculative calls only
+        check_drafts_used(resolved.get("exit_mode", "exit"), given)
         set_aside = set(DRAFTING_KNOBS)
     resolved = {name: value for name, value in resolved.items() if name not in set_aside}
     knobs = {**resolved, **given}

@@ -5,11 +5,13 @@ The architecture fields keep the names of the official OFA Hugging Face port (`O
 `from_preset` class method builds the published sizes.
 """
 
+from typing import Any
+
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
-from .exit_knobs import EXIT_KNOBS, check_knobs
+from .exit_knobs import EXIT_KNOBS, check_knobs, check_not_misspelt, own_entries
 
 # Bottleneck blocks in ResNet stages 1..3 (OFA drops stage 4 and reads stage 3's 1024 channels).
 RESNET_LAYERS = {"resnet50": (3, 4, 6), "resnet101": (3, 4, 23), "resnet152": (3, 8, 36)}
@@ -291,6 +293,13 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         `from_pretrained(..., field=value)` sets its overrides after the config was built."""
         self.validate_architecture()
         check_knobs({name: getattr(self, name, default) for name, default in EXIT_KNOBS.items()}, self)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> "OFAEarlyExitConfig":
+        """Transformers' `from_dict` (which `from_pretrained` calls with its keyword arguments), refusing an argument
+        named almost like an exit knob: Transformers would drop it, or hand it to the model as an unknown argument."""
+        check_not_misspelt(kwargs.keys() - own_entries(cls), "`from_pretrained` got")
+        return super().from_dict(config_dict, **kwargs)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "OFAEarlyExitConfig":

@@ -12,6 +12,7 @@ read it.
 import difflib
 import functools
 import numbers
+from collections.abc import Iterable
 from typing import Any, Literal, get_args
 
 from transformers.utils import logging
@@ -169,6 +170,17 @@ def check_draft_vocabulary(vocabulary: Any, vocab_size: int) -> None:
         raise ValueError("`draft_vocabulary` holds a token id more than once.")
 
 
+def check_drafts_used(exit_mode: str, given: dict[str, Any]) -> None:
+    """Draft knobs `given` to a lossy call (`exit_mode` "exit") would be ignored: a ValueError names them. (Saved as
+    defaults, they serve speculative calls.)"""
+    drafts = sorted(name for name in DRAFTING_KNOBS if given.get(name) is not None)
+    if drafts and exit_mode != "speculative":
+        raise ValueError(
+            f'{drafts} set speculative mode\'s drafts, but this call decodes with lossy exits (`exit_mode="exit"`): '
+            'add `exit_mode="speculative"`, or drop them.'
+        )
+
+
 def check_encoder_parts(parts: set[str], config: Any) -> None:
     """Per-stream exits need the decomposed encoder; the joint exit needs the joint one."""
     if config.decompose_encoder_modalities and "encoder" in parts:
@@ -220,11 +232,15 @@ def warn_if_shadowed(name: str, in_config: Any, in_generation_config: Any) -> No
 def check_no_misspelt_knob(source: Any, where: str) -> None:
     """A saved entry named almost like a knob (`exit_treshold`) would be ignored: a ValueError naming both. Only the
     entries that `source`'s class does not define by itself are compared."""
-    entries = getattr(source, "__dict__", {}).keys() - own_entries(type(source)) - EXIT_KNOBS.keys()
-    for name in entries:
+    check_not_misspelt(getattr(source, "__dict__", {}).keys() - own_entries(type(source)), f"The {where} has")
+
+
+def check_not_misspelt(names: Iterable[str], where: str) -> None:
+    """A name almost like a knob's (`exit_treshold`) among `names` is a ValueError: it would be ignored."""
+    for name in sorted(set(names) - EXIT_KNOBS.keys()):
         close = difflib.get_close_matches(name, EXIT_KNOBS, n=1, cutoff=0.8)
         if close:
-            raise ValueError(f"The {where} has `{name}`, which is no early-exit knob: did you mean `{close[0]}`?")
+            raise ValueError(f"{where} `{name}`, which is no early-exit knob: did you mean `{close[0]}`?")
 
 
 @functools.cache
@@ -279,8 +295,10 @@ __all__ = [
     "check_batch_rules",
     "check_draft_batch_size",
     "check_draft_vocabulary",
+    "check_drafts_used",
     "check_encoder_parts",
     "check_knobs",
+    "check_not_misspelt",
     "drafts_with_exit_knobs",
     "non_default_knobs",
     "resolve_knobs",

@@ -33,7 +33,6 @@ from transformers.utils import ModelOutput, logging
 from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitController, SimilarityExit, make_controller, per_row
 from .exit_knobs import (
-    DRAFTING_KNOBS,
     ENCODER_PARTS,
     EXIT_KNOBS,
     EXIT_PARTS,
@@ -43,6 +42,7 @@ from .exit_knobs import (
     ExitTokenLayer,
     KVStrategy,
     RowExitPlan,
+    check_drafts_used,
     check_encoder_parts,
     drafts_with_exit_knobs,
     resolve_knobs,
@@ -127,12 +127,6 @@ class EarlyExitSettings:
             draft_max_batch_size=value["draft_max_batch_size"],
         )
         if settings.exit_mode != "speculative":
-            drafts = sorted(name for name in DRAFTING_KNOBS if knobs.get(name) is not None)
-            if drafts:  # they would be ignored
-                raise ValueError(
-                    f"{drafts} set speculative mode's drafts, but this call decodes with lossy exits "
-                    '(`exit_mode="exit"`): add `exit_mode="speculative"`, or drop them.'
-                )
             return settings
         vocabulary = value["draft_vocabulary"]
         ids = vocabulary.tolist() if hasattr(vocabulary, "tolist") else vocabulary  # a tensor or an array
@@ -394,6 +388,7 @@ class EarlyExitGenerationMixin(GenerationMixin):
             settings = EarlyExitSettings.from_knobs(
                 self.config, source, max_steps, request_count(inputs, kwargs), expand, **knobs
             )
+        check_drafts_used(settings.exit_mode, knobs)
         check_decoding(settings, source, kwargs)
         if settings.decoder is not None and kwargs.get("use_cache") is False:
             raise ValueError(

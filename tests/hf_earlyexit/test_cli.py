@@ -596,6 +596,7 @@ def test_argparse_errors_name_the_command_once(capsys):
         ("--exit-threshold", "abc", "expected a number or 'none', got 'abc'"),
         ("--draft-exit-threshold", "high", "expected a number or 'none', got 'high'"),
         ("--draft-max-batch-size", "x", "expected an integer or 'none', got 'x'"),
+        ("--max-exit-layer", "top", "expected an integer or 'none', got 'top'"),
     ],
 )
 def test_knob_values_that_are_no_number_or_none_are_refused_by_name(capsys, option, value, expected):
@@ -610,3 +611,5 @@ def test_none_gives_the_draft_threshold_none_whatever_the_saved_default():
 
     args = build_parser().parse_args(["eval", "some/model", "--task", "caption", "--draft-exit-threshold", "none"])
     assert given_knobs(args) == {"draft_exit_threshold": None}
+    args = build_parser().parse_args(["eval", "some/model", "--task", "caption", "--max-exit-layer", "none"])
+    assert given_knobs(args) == {"max_exit_layer": None}  # a saved `max_exit_layer` lifted, the other exits kept
