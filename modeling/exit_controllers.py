@@ -33,7 +33,7 @@ class ExitState:
 
     part: "decoder" | "encoder_image" | "encoder_text" | "encoder".
     layer: 1-based count of layers of that part run so far.
-    step: decoding step, 0-based: the decoder tokens already cached before this pass (0 in the encoder).
+    step: decoding step, 0-based: the new tokens decoded before this one (after a decoder prompt; 0 in the encoder).
     hidden_states: this layer's output for the active rows, [rows, length, d_model].
     previous_hidden_states: its input, same shape.
     rows: indices of the active rows in the batch, [rows].
@@ -315,12 +315,14 @@ class ExitControllerList(ExitController, list):
         return decision
 
     def reset(self) -> None:
-        for controller in self:
-            controller.reset()
+        for controller in self:  # a plain callable is a controller too, with nothing to reset
+            reset = getattr(controller, "reset", None)
+            if callable(reset):
+                reset()
 
     @property
     def keeps_state(self) -> bool:
-        return any(controller.keeps_state for controller in self)
+        return any(getattr(controller, "keeps_state", False) for controller in self)
 
 
 def checked_decision(decision: torch.Tensor, state: ExitState, controller: ExitController) -> torch.BoolTensor:
@@ -399,7 +401,13 @@ class FixedLayerExit(ExitController):
         rows, device = state.rows.shape[0], state.hidden_states.device
         if not callable(self.layer):
             return torch.full((rows,), state.layer >= self.layer, dtype=torch.bool, device=device)
-        return torch.as_tensor(self.layer(state), device=device).expand(rows) <= state.layer
+        layers = torch.as_tensor(self.layer(state), device=device)
+        if layers.dim() > 1 or layers.numel() not in (1, rows):
+            raise ValueError(
+                f"`FixedLayerExit`'s callable must give one exit layer, or one per active row ({rows},), got shape "
+                f"{tuple(layers.shape)}."
+            )
+        return layers.expand(rows) <= state.layer
 
     def __repr__(self) -> str:
         return f"FixedLayerExit({self.layer!r})"

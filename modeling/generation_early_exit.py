@@ -57,11 +57,11 @@ logger = logging.get_logger(__name__)
 class EarlyExitSettings:
     """The resolved exit plan of one call: a controller per part (None: that part runs in full), the KV strategy
     for skipped decoder layers, the first decoder and encoder layers allowed to exit (and the last decoder one,
-    None: any), the decoding length the
-    threshold schedules decay over, and what ready rows do at batch > 1 (`row_exit`, and the decoder's batch-level
-    rules `exit_token_layer` and `batch_stop_fraction`), and the `exit_mode`: lossy exits, or exits that draft for
-    the full model (`speculative`, up to `draft_max_batch_size` decoder rows, proposing tokens of the
-    `draft_vocabulary` only: None, any)."""
+    None: any), the decoding length the threshold schedules decay over (new tokens, after a decoder prompt of
+    `prompt_length` tokens), and what ready rows do at batch > 1 (`row_exit`, and the decoder's batch-level rules
+    `exit_token_layer` and `batch_stop_fraction`), and the `exit_mode`: lossy exits, or exits that draft for the full
+    model (`speculative`, up to `draft_max_batch_size` decoder rows, proposing tokens of the `draft_vocabulary` only:
+    None, any)."""
 
     decoder: ExitController | None = None
     encoder: ExitController | None = None
@@ -72,6 +72,7 @@ class EarlyExitSettings:
     max_exit_layer: int | None = None
     encoder_min_exit_layer: int = 1
     max_steps: int = 1
+    prompt_length: int = 1
     row_exit: RowExitPlan = "auto"
     exit_token_layer: ExitTokenLayer = "own"
     batch_stop_fraction: float = 1.0
@@ -87,6 +88,7 @@ class EarlyExitSettings:
         max_steps: int = 1,
         requests: int | None = None,
         rows_per_request: int = 1,
+        prompt_length: int = 1,
         **knobs,
     ) -> "EarlyExitSettings":
         """Settings from knobs (`exit_knobs.resolve_knobs`: the call's, then the generation config's, then the model
@@ -120,6 +122,7 @@ class EarlyExitSettings:
             max_exit_layer=value["max_exit_layer"],
             encoder_min_exit_layer=value["encoder_min_exit_layer"],
             max_steps=max_steps,
+            prompt_length=prompt_length,
             row_exit=value["row_exit"],
             exit_token_layer=value["exit_token_layer"],
             batch_stop_fraction=value["batch_stop_fraction"],
@@ -386,7 +389,7 @@ class EarlyExitGenerationMixin(GenerationMixin):
             # Transformers expands each request into max(num_beams, num_return_sequences) decoder rows.
             expand = max(kwargs.get(name) or getattr(source, name, None) or 1 for name in ROW_EXPANSIONS)
             settings = EarlyExitSettings.from_knobs(
-                self.config, source, max_steps, request_count(inputs, kwargs), expand, **knobs
+                self.config, source, max_steps, request_count(inputs, kwargs), expand, prompt_length, **knobs
             )
         check_drafts_used(settings.exit_mode, knobs)
         check_decoding(settings, source, kwargs)

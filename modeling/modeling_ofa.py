@@ -1553,7 +1553,7 @@ class OFADecoder(nn.Module):
         state = ExitState(
             part="decoder",
             layer=count,
-            step=past,
+            step=max(past + 1 - exit_settings.prompt_length, 0),  # new tokens before this one
             hidden_states=hidden_states,
             previous_hidden_states=previous,
             rows=exits.running,

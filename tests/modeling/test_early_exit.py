@@ -215,6 +215,7 @@ def test_a_manual_loop_continues_from_a_generate_cache_as_generate_does(model):
     with torch.no_grad():
         first = model.generate(**inputs, max_new_tokens=3, return_dict_in_generate=True, **kwargs)
         tokens, cache, layers = first.sequences, first.past_key_values, []
+        settings.prompt_length = tokens.shape[1]  # its steps count the new tokens, as a continuing `generate`'s do
         for _ in range(3):
             mask = torch.ones_like(tokens)
             out = model(**inputs, decoder_input_ids=tokens[:, -1:], decoder_attention_mask=mask, past_key_values=cache,
@@ -1216,6 +1217,22 @@ def test_a_decoder_prompt_leaves_schedules_the_same_budget_under_max_length_and_
         with torch.no_grad():
             model.generate(**batch_of(2), **prompt, **length, exit_controller=Budget(), eos_token_id=None)
     assert set(seen) == {6}
+
+
+def test_a_schedule_decays_over_the_new_tokens_after_a_decoder_prompt(model):
+    """The first new token is step 0 whatever the prompt: the same schedule, the same exits per new token."""
+    seen = []
+
+    class Steps(ExitController):
+        def __call__(self, state):
+            seen.append(state.step)
+            return torch.zeros(state.rows.shape[0], dtype=torch.bool, device=state.hidden_states.device)
+
+    for prompt in ({}, {"decoder_input_ids": torch.tensor([[0, 5, 6, 7]] * 2)}):
+        seen.clear()
+        with torch.no_grad():
+            model.generate(**batch_of(2), **prompt, max_new_tokens=4, exit_controller=Steps(), eos_token_id=None)
+        assert sorted(set(seen)) == [0, 1, 2, 3]
 
 
 def test_a_passed_generation_config_is_completed_by_the_models_as_transformers_does(model):

@@ -168,6 +168,28 @@ def test_controller_list_stops_when_any_member_does():
     assert ExitControllerList([Never(), OnlyRowZero()])(state(torch.ones(3, 1, 2))).tolist() == [True, False, False]
 
 
+def test_a_controller_list_holds_plain_callables_too_in_generate():
+    """A controller is any callable `ExitState -> BoolTensor`: a list resets and claims only those that keep state."""
+    from tests.helpers import tiny_inputs, tiny_model
+
+    def row_zero(exit_state):
+        return exit_state.rows == 0
+
+    listed = ExitControllerList([row_zero, PatienceExit(1)])
+    assert listed.keeps_state
+    with torch.no_grad():
+        out = tiny_model().generate(
+            **tiny_inputs(), max_new_tokens=3, exit_controller=listed, return_dict_in_generate=True
+        )
+    assert bool((out.exit_layers[0] == 1).all())
+
+
+def test_a_fixed_layer_callable_of_the_wrong_shape_is_named():
+    exit_state = state(torch.ones(3, 1, 2))
+    with pytest.raises(ValueError, match=r"FixedLayerExit.*one per active row \(3,\), got shape \(3, 1\)"):
+        FixedLayerExit(lambda s: torch.ones(s.rows.shape[0], 1, dtype=torch.long))(exit_state)
+
+
 def test_a_user_controller_with_the_wrong_shape_is_named_in_the_error():
     class Broken(ExitController):
         def __call__(self, exit_state):
