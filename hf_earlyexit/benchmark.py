@@ -88,6 +88,16 @@ def checked_device(name: str) -> torch.device:
     return device
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # what a benchmark times in
+
+
+def checked_dtype(name: str) -> torch.dtype:
+    """`name` (one of `DTYPES`) as a torch.dtype; ValueError otherwise."""
+    if name not in DTYPES:
+        raise ValueError(f"`dtype` must be one of {list(DTYPES)}, got {name!r}.")
+    return getattr(torch, name)
+
+
 def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU with its thread count (what a timing ran on)."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
@@ -117,6 +127,11 @@ def forced_exit_benchmark(
     `progress`: a progress bar over the stages (the two encoders, then each batch size)."""
     from tqdm.auto import tqdm
 
+    torch_device, torch_dtype = checked_device(str(device)), checked_dtype(dtype)
+    if not batch_sizes or any(size < 1 for size in (*batch_sizes, encoder_batch_size, new_tokens, repeats)):
+        raise ValueError(
+            "`batch_sizes` (at least one), `encoder_batch_size`, `new_tokens` and `repeats` must be positive."
+        )
     torch.manual_seed(0)
     config = OFAEarlyExitConfig.from_preset(preset)
     if not 1 <= forced_exit < min(config.encoder_layers, config.decoder_layers):
@@ -125,7 +140,6 @@ def forced_exit_benchmark(
             f"`--forced-exit` must lie in [1, {depth - 1}] for OFA-{preset} ({config.encoder_layers} encoder / "
             f"{config.decoder_layers} decoder layers), got {forced_exit}."
         )
-    torch_device, torch_dtype = torch.device(device), getattr(torch, dtype)
     model = EarlyExitOFAForConditionalGeneration(config).to(torch_device, torch_dtype).eval()
     truncated = truncated_model(model, forced_exit, forced_exit)
     exit_after = FixedLayerExit(forced_exit)
@@ -670,6 +684,7 @@ def model_benchmark(
     """`task_benchmark` of a loaded model with `knobs` on task `task`'s first `samples` test rows, with the model
     moved to `device` and `dtype`, beside the compiled full model unless `compiled_full=False`. ValueError when
     `knobs` make no part exit."""
+    torch_device, torch_dtype = checked_device(str(device)), checked_dtype(dtype)
     speculative = None
     if knobs.get("exit_mode") == "speculative":  # beside the lossy exits of the same settings and saved defaults
         speculative = knobs
@@ -680,7 +695,7 @@ def model_benchmark(
             f"No exit setting for the lossy exits{beside}: give an exit threshold, or calibrate the model "
             "(`hf-earlyexit calibrate --write`)."
         )
-    model.to(device=device, dtype=getattr(torch, dtype))
+    model.to(device=torch_device, dtype=torch_dtype)
     inputs = task_inputs(task, processor, "test", samples, batch_size, model.device)
     progress = f"timing {task} ({len(inputs.batches)} batches)"
     return task_benchmark(model, processor, inputs, knobs, repeats, meteor, speculative, progress, compiled_full)

@@ -83,13 +83,18 @@ def check_tolerance(tolerance: float) -> None:
         raise ValueError(f"`tolerance` must lie in [0, 1), got {tolerance}.")
 
 
+def within_tolerance(quality: float, full_quality: float, tolerance: float) -> bool:
+    """quality >= (1 - tolerance) x full_quality, up to float rounding (38/53 is 0.95 x 40/53 exactly)."""
+    return quality >= (1 - tolerance) * full_quality - 1e-12 * abs(full_quality)
+
+
 def fastest_within_tolerance(
     points: Sequence[OperatingPoint], full_quality: float, tolerance: float = 0.01
 ) -> OperatingPoint | None:
     """The point with the largest expected time reduction whose quality is at least (1 - tolerance) x the full
     model's (ties: the higher quality); None if no point qualifies."""
     check_tolerance(tolerance)
-    eligible = [p for p in points if p.quality >= (1 - tolerance) * full_quality]
+    eligible = [p for p in points if within_tolerance(p.quality, full_quality, tolerance)]
     return max(eligible, key=lambda p: (p.expected_time_reduction, p.quality), default=None)
 
 
@@ -207,7 +212,7 @@ def fastest_for_every_task(
     check_tolerance(tolerance)
     return fastest_on_every_task(
         {
-            name: [point for point in points if point.quality >= (1 - tolerance) * full.quality]
+            name: [point for point in points if within_tolerance(point.quality, full.quality, tolerance)]
             for name, (full, points) in sweeps.items()
         }
     )
@@ -256,7 +261,8 @@ def write_generation_defaults(model, settings: dict[str, Any]) -> None:
     values = [value for name, value in settings.items() if name != "draft_vocabulary"]
     if "exit_controller" in settings or any(not isinstance(value, scalars) for value in values):
         raise ValueError(f"Only scalar knobs can be saved as generation defaults, got {settings}.")
-    EarlyExitSettings.from_knobs(model.config, **settings)  # validates names and values against the model
+    # Validated with the saved defaults they join (a threshold against the saved policy), as `generate` reads them.
+    EarlyExitSettings.from_knobs(model.config, model.generation_config, **settings)
     for name in EXIT_KNOBS:
         if name in settings:
             setattr(model.generation_config, name, settings[name])
@@ -322,18 +328,21 @@ def calibrate(
     progress = progress and is_main_process()
     for name in tasks:
         inputs = task_inputs(name, processor, split, samples, batch_size, model.device)
-        costs = from_main_process(
-            lambda inputs=inputs: measure_part_costs(model, inputs, askers=askers, encoder_askers=encoder_askers)
-        )
-        if levels is not None:
+        ordering_inputs = None
+        if levels is not None:  # the test's order is fixed on samples it never sees, the part costs included
             given = inputs.samples
-            first = max(1, round(ORDERING_SHARE * given))
+            first = max(2, round(ORDERING_SHARE * given))
             ordering_inputs, inputs = split_task_inputs(inputs, first, processor, split, model.device)
-            if not inputs.batches:
+            if inputs.samples < 2:
                 raise ValueError(
-                    f"{name}: {given} samples are too few to both order the grid (on {ORDERING_SHARE:.0%} of them) and "
-                    "test it; give more samples."
+                    f"{name}: {given} samples are too few to both order the grid (on {ORDERING_SHARE:.0%} of them, at "
+                    "least two: a caption score needs two) and test it on two or more; give more samples."
                 )
+        timed = inputs if ordering_inputs is None else ordering_inputs
+        costs = from_main_process(
+            lambda timed=timed: measure_part_costs(model, timed, askers=askers, encoder_askers=encoder_askers)
+        )
+        if ordering_inputs is not None:
             _, ordering = sweep(model, processor, ordering_inputs, grid, costs, progress, "ordering the grid on")
             orderings[name] = (ordering, ordering_inputs.samples)
         sweeps[name] = sweep(model, processor, inputs, grid, costs, progress=progress)

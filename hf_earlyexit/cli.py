@@ -666,7 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16"],
+        choices=["float32", "bfloat16", "float16"],  # `benchmark.DTYPES`, which the parser does not import
         help="the model's dtype; with MODEL_DIR too",
     )
     bench.add_argument("--json", action="store_true", help="one line of JSON (default: indented)")

@@ -186,7 +186,7 @@ def largest_paying_batch_size(speedups: dict[int, dict[str, float]]) -> int:
     the speedups per batch size (in any order) per task, the smallest size first; its smallest size if it lost."""
     sizes = sorted(speedups)
     largest = sizes[0]
-    for size in sizes[1:]:
+    for size in sizes[1:] if all(speedup >= 1 for speedup in speedups[largest].values()) else []:
         if min(speedups[size].values()) < 1:
             break
         largest = size

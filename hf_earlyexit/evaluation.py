@@ -319,13 +319,13 @@ def caption_images(
     progress: bool = False,
     **knobs: Any,
 ) -> tuple[list[str], float]:
-    """The captions of `images` in batches of `batch_size` (with the model's saved exit defaults, and `knobs` over
-    them) and the seconds `generate` took; `progress` shows a bar over the batches. ValueError on a batch size below
-    1."""
+    """The captions of `images` (without OFA's leading space) in batches of `batch_size` (with the model's saved exit
+    defaults, and `knobs` over them) and the seconds `generate` took; `progress` shows a bar over the batches.
+    ValueError on a batch size or a beam count below 1."""
     from tqdm.auto import tqdm
 
-    if batch_size < 1:
-        raise ValueError(f"`batch_size` must be positive, got {batch_size}.")
+    if batch_size < 1 or num_beams < 1:
+        raise ValueError(f"`batch_size` and `num_beams` must be positive, got {batch_size} and {num_beams}.")
     captions, seconds = [], 0.0
     for start in tqdm(range(0, len(images), batch_size), desc="captioning", disable=not progress):
         batch = images[start : start + batch_size]
@@ -333,7 +333,7 @@ def caption_images(
         began = time.perf_counter()
         sequences = model.generate(**inputs, num_beams=num_beams, max_new_tokens=max_new_tokens, **knobs)
         seconds += time.perf_counter() - began
-        captions += processor.batch_decode(sequences, skip_special_tokens=True)
+        captions += [caption.strip() for caption in processor.batch_decode(sequences, skip_special_tokens=True)]
     return captions, seconds
 
 

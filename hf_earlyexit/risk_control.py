@@ -15,7 +15,7 @@ all at most δ: with probability at least 1 - δ, every certified setting has ri
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 LossKind = Literal["binary", "bounded"]
 LOSS_KINDS = ("binary", "bounded")
@@ -56,7 +56,7 @@ def hoeffding_bentkus_p_value(mean_loss: float, samples: int, risk_level: float)
 def p_value(losses: Sequence[float], risk_level: float, loss: LossKind) -> float:
     """p-value of "the expected loss exceeds `risk_level`" from per-sample `losses` of kind `loss`; ValueError on
     losses outside [0, 1], or not 0/1 for `"binary"`."""
-    check_risk(risk_level, 0.5)
+    check_risk(risk_level)
     if loss not in LOSS_KINDS:
         raise ValueError(f"Unknown loss kind {loss!r}; choose one of {list(LOSS_KINDS)}.")
     if not losses:
@@ -70,9 +70,11 @@ def p_value(losses: Sequence[float], risk_level: float, loss: LossKind) -> float
     return hoeffding_bentkus_p_value(sum(losses) / len(losses), len(losses), risk_level)
 
 
-def check_risk(risk_level: float, delta: float) -> None:
-    if not 0 < risk_level < 1 or not 0 < delta < 1:
-        raise ValueError(f"The risk level and delta must lie in (0, 1), got {risk_level} and {delta}.")
+def check_risk(risk_level: Any, delta: Any = None) -> None:
+    """ValueError unless the risk level (and `delta`, when given) is a number in (0, 1)."""
+    for name, value in [("risk level", risk_level), *([("delta", delta)] if delta is not None else [])]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+            raise ValueError(f"The {name} must lie in (0, 1), got {value!r}.")
 
 
 def fixed_sequence_test(
@@ -91,26 +93,35 @@ def fixed_sequence_test(
 
 
 def samples_needed(observed_risk: float, risk_level: float, delta: float, loss: LossKind) -> int | None:
-    """About how many samples would certify a setting whose empirical risk stays `observed_risk` (the smallest n
-    whose p-value is at most `delta`); None when `observed_risk` is not below `risk_level`, where no n does."""
+    """How many samples would certify a setting whose empirical risk stays `observed_risk`: the smallest n whose
+    p-value at that risk is at most `delta`; None when `observed_risk` is not below `risk_level`, where no n does.
+    Both p-values count whole errors, ceil(observed_risk * n) (Bentkus' bound for a bounded loss), so they fall with
+    n in a sawtooth, and a larger n may not certify: among the n with k errors, the most, floor(k / observed_risk),
+    certify first."""
     check_risk(risk_level, delta)
     if not 0 <= observed_risk < risk_level:
         return None
-
-    def certifies(n: int) -> bool:
-        errors = math.ceil(round(observed_risk * n, 9))
-        if loss == "binary":
-            return binomial_p_value(errors, n, risk_level) <= delta
-        return hoeffding_bentkus_p_value(errors / n if observed_risk else 0.0, n, risk_level) <= delta
-
-    high = 1
-    while not certifies(high):  # doubling, then bisection: the p-value falls with n at a fixed rate
-        high *= 2
-    low = high // 2
-    while high - low > 1:
+    if observed_risk > 0:
+        errors = 1
+        while not certifies(loss, observed_risk, math.floor(round(errors / observed_risk, 9)), risk_level, delta):
+            errors += 1
+        low, high = math.floor(round((errors - 1) / observed_risk, 9)), math.floor(round(errors / observed_risk, 9))
+    else:  # the p-value falls with n: doubling, then bisection
+        high = 1
+        while not certifies(loss, observed_risk, high, risk_level, delta):
+            high *= 2
+        low = high // 2
+    while high - low > 1:  # `high` certifies, `low` does not (or holds fewer errors)
         middle = (low + high) // 2
-        low, high = (low, middle) if certifies(middle) else (middle, high)
+        low, high = (low, middle) if certifies(loss, observed_risk, middle, risk_level, delta) else (middle, high)
     return high
+
+
+def certifies(loss: LossKind, observed_risk: float, samples: int, risk_level: float, delta: float) -> bool:
+    """Whether `samples` samples at empirical risk `observed_risk` certify `risk_level` at `delta`."""
+    if loss == "binary":
+        return binomial_p_value(math.ceil(round(observed_risk * samples, 9)), samples, risk_level) <= delta
+    return hoeffding_bentkus_p_value(observed_risk, samples, risk_level) <= delta
 
 
 __all__ = [

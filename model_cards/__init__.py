@@ -27,6 +27,8 @@ NOT_MEASURED = (
 
 def read_benchmark(path: str | Path) -> list[dict[str, Any]]:
     """The records of a file of `hf-earlyexit bench MODEL_DIR --json` output (one JSON object per line)."""
+    if not Path(path).is_file():
+        raise ValueError(f"No benchmark file at {path}.")
     records = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -159,9 +161,13 @@ def guarantee(calibration: dict[str, Any] | None) -> str:
             f"Guarantee: none beyond the calibration split, where every task stayed within "
             f"{calibration['tolerance']:.1%} of the full model's quality."
         )
+    tasks, delta = len(calibration["tasks"]), calibration["delta"]
+    together = (
+        f" (all {tasks} together: at least {max(0.0, 1 - tasks * delta):.0%}, by the union bound)" if tasks > 1 else ""
+    )
     lines = [
-        f"Certified by Learn then Test: with probability at least {1 - calibration['delta']:.0%} over the "
-        "calibration samples, each task's expected loss against the full model is at most the level below.",
+        f"Certified by Learn then Test: for each task, with probability at least {1 - delta:.0%} over its "
+        f"calibration samples, the expected loss against the full model is at most the level below{together}.",
         "",
         "| task | loss | level | tested samples | empirical | p-value |",
         "|---|---|---|---|---|---|",

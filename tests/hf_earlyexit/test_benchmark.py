@@ -81,6 +81,20 @@ def test_checked_device_refuses_a_malformed_or_absent_device():
             checked_device("cuda")
 
 
+def test_a_bad_dtype_device_or_count_is_named_before_any_work():
+    from hf_earlyexit.benchmark import forced_exit_benchmark
+
+    for kwargs, message in (
+        ({"dtype": "float33"}, "`dtype` must be one of"),
+        ({"device": "cpux"}, "must name a torch device"),
+        ({"batch_sizes": (0,)}, "must be positive"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            forced_exit_benchmark(2, preset="tiny", **kwargs)
+    with pytest.raises(ValueError, match="`dtype` must be one of"):
+        model_benchmark(tiny_model(), None, "vqa", {"exit_threshold": 0.5}, dtype="half")
+
+
 def test_model_benchmark_needs_an_exit_setting():
     with pytest.raises(ValueError, match="No exit setting"):
         model_benchmark(tiny_model(), None, "vqa", {"kv_strategy": "copy"})

@@ -40,6 +40,8 @@ def test_fastest_within_tolerance_of_the_full_model():
     assert fastest_within_tolerance(points(), 0.800, 0.01).settings == {"exit_threshold": 0.9}  # 0.790 < 0.792
     assert fastest_within_tolerance(points(), 0.800, 0.0).settings == {"exit_threshold": 0.95}
     assert fastest_within_tolerance(points(), 0.900, 0.01) is None
+    exact = [OperatingPoint({"exit_threshold": 0.5}, 38 / 53, 0.1)]  # 0.95 x 40/53, which float rounding missed
+    assert fastest_within_tolerance(exact, 40 / 53, 0.05) is exact[0]
     with pytest.raises(ValueError, match="tolerance"):
         fastest_within_tolerance(points(), 0.8, 1.5)
 
@@ -81,6 +83,19 @@ def test_generation_defaults_round_trip_and_make_generate_exit(tmp_path):
                          ({"exit_controller": object()}, "scalar")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             write_generation_defaults(model, bad)
+    write_generation_defaults(model, {"exit_policy": "confidence", "min_exit_layer": 3})
+    for bad, message in (({"exit_threshold": -0.5}, r"\[0.0, 1.0\]"), ({"max_exit_layer": 2}, "max_exit_layer")):
+        with pytest.raises(ValueError, match=message):  # valid alone, not beside the saved defaults `generate` reads
+            write_generation_defaults(model, bad)
+    assert model.generation_config.exit_threshold == 0.5 and not hasattr(model.generation_config, "max_exit_layer")
+
+
+def test_risk_levels_that_are_no_numbers_are_named():
+    from hf_earlyexit.calibration import risk_levels
+
+    for risk, message in (({"vqa": "0.1"}, "got '0.1'"), ({"vqa": None}, "got None"), (True, "got True")):
+        with pytest.raises(ValueError, match=f"The risk level must lie in \\(0, 1\\), {message}"):
+            risk_levels(risk, ["vqa"])
 
 
 def test_one_setting_for_every_task_is_the_fastest_within_tolerance_on_all():
@@ -145,22 +160,22 @@ def test_calibrate_with_a_risk_orders_on_a_tenth_and_certifies_on_the_rest(tmp_p
     report = calibrate(model, processor, ["vqa"], **sweep, risk=0.5, delta=0.2, progress=False, write_to=tmp_path)
     certificate = report["tasks"]["vqa"]["certificate"]
     assert report["chosen"] == {"exit_policy": "confidence", "exit_threshold": 1.0}
-    assert (certificate["ordering_samples"], certificate["tested_samples"]) == (1, 7)  # a tenth, not a batch
-    assert certificate["empirical_risk"] == 0 and certificate["p_value"] == pytest.approx(0.5**7)  # no error in 7
+    assert (certificate["ordering_samples"], certificate["tested_samples"]) == (2, 6)  # a tenth, two at least
+    assert certificate["empirical_risk"] == 0 and certificate["p_value"] == pytest.approx(0.5**6)  # no error in 6
     assert json.loads((tmp_path / "calibration.json").read_text())["tasks"]["vqa"]["certificate"] == certificate
 
     wide = calibrate(model, processor, ["vqa"], **{**sweep, "batch_size": 16}, risk=0.5, delta=0.2, progress=False)
     assert wide["tasks"]["vqa"]["certificate"] == certificate  # a batch wider than the samples splits the same
 
-    report = calibrate(model, processor, ["vqa"], **sweep, risk=0.01, delta=0.2, progress=False)  # 7 cannot certify
+    report = calibrate(model, processor, ["vqa"], **sweep, risk=0.01, delta=0.2, progress=False)  # 6 cannot certify
     stopped = report["tasks"]["vqa"]["certificate"]["stopped_at"]
     assert report["chosen"] is None and report["tasks"]["vqa"]["certificate"]["certified_settings"] == 0
     assert stopped["settings"] == {"exit_policy": "confidence", "exit_threshold": 1.0}
     assert stopped["samples_needed"] == 161  # 0.99^n <= 0.2
     with pytest.raises(ValueError, match=r"No setting is certified .*vqa 1.0%.* \{'vqa': 161\}: nothing written"):
         save_calibration(model, report, tmp_path)
-    with pytest.raises(ValueError, match="samples are too few"):
-        calibrate(model, processor, ["vqa"], **{**sweep, "samples": 1}, risk=0.5, progress=False)
+    with pytest.raises(ValueError, match="3 samples are too few"):  # two to order, one left to test
+        calibrate(model, processor, ["vqa"], **{**sweep, "samples": 3}, risk=0.5, progress=False)
 
 
 def test_writing_a_choice_resets_the_lossy_knobs_it_does_not_set(tmp_path):

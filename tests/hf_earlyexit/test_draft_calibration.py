@@ -43,6 +43,7 @@ def test_drafts_go_up_to_the_largest_batch_size_that_never_lost_on_any_task():
     assert largest_paying_batch_size({16: {"vqa": 1.1, "caption": 1.2}, 1: {}, 8: {"vqa": 1.0, "caption": 1.3}}) == 16
     assert largest_paying_batch_size({1: {}, 8: {"vqa": 1.05, "caption": 1.1}, 16: {"vqa": 0.9, "caption": 1.2}}) == 8
     assert largest_paying_batch_size({1: {}, 8: {"vqa": 0.99, "caption": 1.3}, 16: {"vqa": 1.1, "caption": 1.1}}) == 1
+    assert largest_paying_batch_size({1: {"vqa": 0.9}, 8: {"vqa": 1.2}}) == 1  # lost at the smallest: no further
 
 
 def test_contenders_are_the_settings_within_the_margin_of_the_best():

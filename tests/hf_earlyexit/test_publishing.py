@@ -165,7 +165,7 @@ def test_card_metadata_parses_and_holds_the_measured_table(assembled):
     assert json.dumps(KNOBS) in card.text  # the calibrated defaults
     assert "`max_steps`: 7" in card.text  # the recipe
     assert "2 encoder and 3 decoder layers, d_model 32" in card.text
-    assert "with probability at least 90% over the calibration samples" in card.text  # the certificate
+    assert "for each task, with probability at least 90% over its calibration samples" in card.text
     assert "| vqa | answer differs | 2.0% | 2924 | 0.41% | 3.1e-06 |" in card.text
 
 
@@ -257,6 +257,13 @@ def test_bad_input_is_a_clear_error(model_dir, tmp_path, no_validation, repo_id,
             (source / "config.json").write_text(json.dumps({**config, "model_type": "bart"}))
     with pytest.raises(ValueError, match=match):
         publish(source, repo_id, output_dir=tmp_path / "out", dry_run=True)
+
+
+def test_a_benchmark_file_that_is_not_there_is_named(model_dir, tmp_path, no_validation):
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(ValueError, match=f"No benchmark file at {missing}"):
+        publish(model_dir, REPO_ID, output_dir=tmp_path / "out", dry_run=True, benchmark=[missing])
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_previous_assembly_is_replaced_but_nothing_a_user_put_beside_it(model_dir, tmp_path, no_validation):

@@ -30,6 +30,18 @@ def test_error_free_samples_to_certify_one_percent_at_delta_0_1():
 
 
 @pytest.mark.parametrize("loss", ["binary", "bounded"])
+def test_the_samples_needed_are_the_fewest_that_certify_though_more_may_not(loss):
+    """The error count is whole (ceil of risk × n), so the p-value falls with n in a sawtooth."""
+    from hf_earlyexit.risk_control import certifies
+
+    for risk, level in ((0.005, 0.02), (0.01, 0.05), (0.03, 0.05)):
+        needed = samples_needed(risk, level, 0.1, loss)
+        assert needed == next(n for n in range(1, needed + 1) if certifies(loss, risk, n, level, 0.1))
+    assert samples_needed(0.005, 0.02, 0.1, "binary") == 194  # a bisection over n said 265
+    assert not certifies("binary", 0.01, 101, 0.05, 0.1)  # above the 77 needed, a sample size that does not
+
+
+@pytest.mark.parametrize("loss", ["binary", "bounded"])
 def test_a_true_risk_at_the_level_is_certified_at_most_delta_of_the_time(loss):
     rng, level, delta, n = random.Random(0), 0.05, 0.1, 200
     trials = 1000
