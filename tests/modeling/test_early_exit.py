@@ -1203,36 +1203,22 @@ def test_generate_without_max_new_tokens_decodes_to_max_length(model, knobs):
     assert short.shape == (2, 6) and default.shape[1] <= 21
 
 
-def test_a_decoder_prompt_leaves_schedules_the_same_budget_under_max_length_and_max_new_tokens(model):
-    """A threshold schedule decays over the steps a call may decode: `max_length` less the decoder's prompt."""
-    seen = []
-
-    class Budget(ExitController):
-        def __call__(self, state):
-            seen.append(state.max_steps)
-            return torch.zeros(state.rows.shape[0], dtype=torch.bool, device=state.hidden_states.device)
-
-    prompt = {"decoder_input_ids": torch.tensor([[0, 5, 6, 7, 8]] * 2)}
-    for length in ({"max_new_tokens": 6}, {"max_length": 11}):
-        with torch.no_grad():
-            model.generate(**batch_of(2), **prompt, **length, exit_controller=Budget(), eos_token_id=None)
-    assert set(seen) == {6}
-
-
-def test_a_schedule_decays_over_the_new_tokens_after_a_decoder_prompt(model):
-    """The first new token is step 0 whatever the prompt: the same schedule, the same exits per new token."""
+def test_after_a_decoder_prompt_schedules_count_its_new_tokens_under_max_length_and_max_new_tokens(model):
+    """A threshold schedule decays over the steps a call may decode (`max_length` less the decoder's prompt), and the
+    first new token is step 0 whatever the prompt: the same schedule, the same exits per new token."""
     seen = []
 
     class Steps(ExitController):
         def __call__(self, state):
-            seen.append(state.step)
+            seen.append((state.step, state.max_steps))
             return torch.zeros(state.rows.shape[0], dtype=torch.bool, device=state.hidden_states.device)
 
-    for prompt in ({}, {"decoder_input_ids": torch.tensor([[0, 5, 6, 7]] * 2)}):
+    prompt = {"decoder_input_ids": torch.tensor([[0, 5, 6, 7, 8]] * 2)}
+    for inputs, length in (({}, {"max_new_tokens": 4}), (prompt, {"max_new_tokens": 4}), (prompt, {"max_length": 9})):
         seen.clear()
         with torch.no_grad():
-            model.generate(**batch_of(2), **prompt, max_new_tokens=4, exit_controller=Steps(), eos_token_id=None)
-        assert sorted(set(seen)) == [0, 1, 2, 3]
+            model.generate(**batch_of(2), **inputs, **length, exit_controller=Steps(), eos_token_id=None)
+        assert sorted(set(seen)) == [(0, 4), (1, 4), (2, 4), (3, 4)]
 
 
 def test_a_passed_generation_config_is_completed_by_the_models_as_transformers_does(model):
