@@ -299,6 +299,11 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         """Transformers' `from_dict` (which `from_pretrained` calls with its keyword arguments), refusing an argument
         named almost like an exit knob: Transformers would drop it, or hand it to the model as an unknown argument."""
         check_not_misspelt(kwargs.keys() - own_entries(cls), "`from_pretrained` got")
+        if "exit_controller" in kwargs:  # Transformers would hand it to the model as an unknown argument
+            raise ValueError(
+                "`exit_controller` is an object, which a config cannot save: pass it to `generate`, or set "
+                "`model.generation_config.exit_controller` for this process."
+            )
         return super().from_dict(config_dict, **kwargs)
 
     @classmethod

@@ -222,6 +222,11 @@ class OFAImageProcessor(PilBackend):
     do_pad = False
 
     def _validate_preprocess_kwargs(self, size: SizeDict | None = None, do_resize: bool | None = None, **kwargs):
+        if kwargs.get("do_rescale") is False:  # every image becomes 8-bit first (floats in [0, 1] scaled up)
+            raise ValueError(
+                "OFAImageProcessor resizes 8-bit images with PIL, as OFA does, and always rescales them by 1/255 "
+                "(float images in [0, 1] are read as such): drop `do_rescale=False`."
+            )
         super()._validate_preprocess_kwargs(size=size, do_resize=do_resize, **kwargs)
         # OFA resizes to a fixed (height, width); "shortest_edge"-style sizes would give ragged batches.
         if do_resize and (size is None or not size.height or not size.width):

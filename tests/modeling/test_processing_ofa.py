@@ -98,6 +98,13 @@ def test_a_16_or_32_bit_image_past_8_bits_is_refused_not_clipped(image_processor
         image_processor(image)
 
 
+def test_turning_the_rescale_off_is_refused_not_a_silent_factor_of_255(image_processor):
+    """Every image becomes 8-bit for PIL's resize (floats in [0, 1] are scaled up): skipping the 1/255 after it would
+    feed the model pixels up to 255 times too large."""
+    with pytest.raises(ValueError, match="drop `do_rescale=False`"):
+        image_processor(torch.rand(3, 8, 8), do_rescale=False)
+
+
 def test_size_without_height_and_width_is_rejected(image_processor):
     with pytest.raises(ValueError, match="height.*width"):
         image_processor(Image.new("RGB", (8, 8)), size={"shortest_edge": 32})

@@ -222,6 +222,7 @@ def test_model_and_processor_folder_loads_as_remote_code_and_as_local_classes(tm
         ({"exit_adapter_dim": -2}, "exit_adapter_dim"),
         ({"exit_policy": "bogus"}, "exit_policy"),
         ({"exit_treshold": 0.5}, "`from_pretrained` got `exit_treshold`.*did you mean `exit_threshold`"),  # was dropped
+        ({"exit_controller": object()}, "`exit_controller` is an object.*pass it to `generate`"),  # was a TypeError
     ],
 )
 def test_bad_config_overrides_at_load_are_refused_like_a_bad_config(tmp_path, overrides, message):
