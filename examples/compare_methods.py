@@ -298,7 +298,8 @@ def measured_row(options, row: Row, model_dir: Path, timed: bool) -> dict[str, A
         "calibration": round(calibrated - started, 1),
         "test": round(time.perf_counter() - calibrated, 1),
     }
-    print(f"{model_dir.name} / {row.policy}: chosen {result['chosen']}, {result['seconds']} s", file=sys.stderr)
+    swept = f"{row.policy} {row.knobs}" if row.knobs else row.policy  # two MuE rows differ by their schedule alone
+    print(f"{model_dir.name} / {swept}: chosen {result['chosen']}, {result['seconds']} s", file=sys.stderr)
     return result
 
 

@@ -134,7 +134,7 @@ def pretrain_image_stream(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output-dir", default="hf_earlyexit/embedded_model")
+    parser.add_argument("--output-dir", required=True, help="a new folder (last phase: hf_earlyexit/embedded_model)")
     parser.add_argument("--max-steps", type=int, default=4200)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=5e-4)  # 2e-3 stayed on the text prior

@@ -154,7 +154,8 @@ def demo_lines(report: DemoReport) -> list[str]:
         f"{report.parameters / 1e6:.1f}M parameters, {report.encoder_layers} encoder layers (image and text "
         f"streams), {report.decoder_layers} decoder layers; calibrated exit defaults {report.knobs}",
         "Each task's test split through the full and the early-exit model, same inputs "
-        f"({report.threads} CPU threads; about 3 minutes on a 2-core CPU, a progress bar per task):",
+        f"({report.threads} CPU thread{'s' if report.threads != 1 else ''}; about 3 minutes on a 2-core CPU, a "
+        "progress bar per task; expected time reductions from the part costs measured in the same rounds):",
         *(task_line(name, task, report.encoder_layers, report.decoder_layers) for name, task in report.tasks.items()),
         *(["Examples (each token with the decoder layer it exited after):"] if report.examples else []),
         *(example_line(example) for example in report.examples),

@@ -68,7 +68,8 @@ def test_demo_lines_say_the_report_in_words():
         "Loaded somewhere with AutoModel/AutoProcessor (trust_remote_code=True): OFA-EE, 3.2M parameters, 4 encoder "
         "layers (image and text streams), 4 decoder layers; calibrated exit defaults {'exit_threshold': 0.8}",
         "Each task's test split through the full and the early-exit model, same inputs (2 CPU threads; about 3 "
-        "minutes on a 2-core CPU, a progress bar per task):",
+        "minutes on a 2-core CPU, a progress bar per task; expected time reductions from the part costs measured in "
+        "the same rounds):",
         "  vqa        accuracy 0.500 -> 0.490 (98.0% of full) | expected time reduction 40% | wall clock 2.00 s -> "
         "1.50 s (25% less) | layers: image 3.00, text 2.50, decoder 1.25 per token (of 4 / 4)",
         "  caption    accuracy 0.500 -> 0.490 (98.0% of full) | expected time reduction 40% | wall clock 2.00 s -> "
