@@ -199,6 +199,7 @@ class ImageTextCollator:
         if not rows:
             raise ValueError("The collator got no rows: a batch needs at least one.")
         columns = [self.image_column, *([self.text_column] if self.text_column else []), self.target_column]
+        images, prompts, targets = [], [], []
         for index, row in enumerate(rows):
             missing = [column for column in columns if column not in row]
             if missing:
@@ -206,16 +207,14 @@ class ImageTextCollator:
                     f"The rows have no column(s) {missing}; their columns are {sorted(row)} (batch row {index}): "
                     "name the collator's `image_column`, `text_column` and `target_column`."
                 )
-        images, prompts, targets = [], [], []
-        for index, row in enumerate(rows):
             images.append(row_image(row[self.image_column], self.image_column, index))
             prompt = row_text(row[self.text_column], self.text_column, index) if self.text_column else self.prompt
             prompts.append(prompt)
             targets.append(row_text(row[self.target_column], self.target_column, index, lists=True))
         fits = self.processor.tokenizer.model_max_length < VERY_LARGE_INTEGER  # a limit the tokenizer knows
         batch = self.processor(images=images, text=prompts, truncation=fits, return_tensors="pt")
-        targets = self.processor(text_target=targets, max_length=self.max_target_length + 1, return_tensors="pt")
-        labels = targets["labels"]
+        length = self.max_target_length + 1  # with <s>, which the labels drop
+        labels = self.processor(text_target=targets, max_length=length, return_tensors="pt")["labels"]
         if self.labels:
             batch["labels"] = labels
             return dict(batch)
