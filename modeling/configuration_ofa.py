@@ -304,7 +304,16 @@ class OFAEarlyExitConfig(PreTrainedConfig):
                 "`exit_controller` is an object, which a config cannot save: pass it to `generate`, or set "
                 "`model.generation_config.exit_controller` for this process."
             )
-        return super().from_dict(config_dict, **kwargs)
+        loaded = super().from_dict(config_dict, **kwargs)
+        config = loaded[0] if isinstance(loaded, tuple) else loaded  # a tuple under `return_unused_kwargs`
+        # The model carries them into its generation config, whose saved knobs would otherwise outrank them.
+        config.given_exit_knobs = {name: kwargs[name] for name in EXIT_KNOBS if name in kwargs}
+        return loaded
+
+    def to_dict(self) -> dict[str, Any]:
+        output = super().to_dict()
+        output.pop("given_exit_knobs", None)  # what one `from_pretrained` call was given, not part of the model
+        return output
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "OFAEarlyExitConfig":

@@ -431,6 +431,13 @@ class EarlyExitGenerationMixin(GenerationMixin):
         exit_layers = generated_exit_layers(log.decoder_steps, output, log.stops)
         return output_class(**output, exit_layers=exit_layers, encoder_exit_layers=encoder_exit_layers)
 
+    def adjust_generation_fn(self, *args, **kwargs) -> None:
+        # `from_pretrained` loads the saved generation config here; a knob given to that call outranks its saved value.
+        super().adjust_generation_fn(*args, **kwargs)
+        given = self.config.__dict__.pop("given_exit_knobs", {})
+        if given and self.generation_config is not None:
+            self.generation_config.update(**given)
+
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  *args, **kwargs):  # fmt: skip
         # Transformers hands the assistant's `generate` this call's model kwargs: the exit settings and record are

@@ -232,6 +232,22 @@ def test_bad_config_overrides_at_load_are_refused_like_a_bad_config(tmp_path, ov
         AutoModel.from_pretrained(tmp_path, **overrides)
 
 
+@pytest.mark.parametrize("loader", [EarlyExitOFAForConditionalGeneration, AutoModel])
+@pytest.mark.parametrize("value", [None, 0.5])
+def test_a_knob_given_to_from_pretrained_outranks_the_saved_generation_config(tmp_path, loader, value):
+    """Calibration saves its knobs in the generation config; a value given at load time is the user's choice."""
+    model = tiny_model()
+    model.generation_config.exit_threshold = 0.9
+    model.save_pretrained(tmp_path)
+    reloaded = loader.from_pretrained(tmp_path, exit_threshold=value)
+    assert reloaded.generation_config.exit_threshold == value and reloaded.config.exit_threshold == value
+    assert AutoModel.from_pretrained(tmp_path).generation_config.exit_threshold == 0.9  # a later load: the saved
+    reloaded.save_pretrained(tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert "given_exit_knobs" not in saved and saved["exit_threshold"] == value
+    assert json.loads((tmp_path / "again" / "generation_config.json").read_text())["exit_threshold"] == value
+
+
 def test_a_knob_json_cannot_hold_is_refused_before_anything_is_written(tmp_path):
     from hf_earlyexit.modeling.exit_controllers import FixedLayerExit
 
