@@ -10,6 +10,8 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import datasets
+
 from .data import CAPTION_PROMPT
 from .loading import load_image, load_model_and_processor
 from .modeling.exit_knobs import (
@@ -729,6 +731,7 @@ def cmd_publish(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    datasets.disable_progress_bars()  # the commands show their own progress; map and filter steps are noise
     try:
         args.run(args)
     except (ValueError, OSError, PublishError) as error:

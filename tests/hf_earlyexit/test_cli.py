@@ -240,7 +240,9 @@ def task_model_dir(tmp_path):
 def test_eval_prints_the_tasks_scores_and_time_reduction(task_model_dir, capsys):
     argv = ["eval", str(task_model_dir), "--task", "vqa", "--split", "validation", "--samples", "6", "--json"]
     assert main([*argv, "--exit-policy", "confidence", "--exit-threshold", "0", "--kv-strategy", "copy"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    report = json.loads(printed.out)
+    assert "Filter" not in printed.err and "Map" not in printed.err  # the data set's steps, under the CLI's progress
     assert report["samples"] == 6 and 0 <= report["scores"]["accuracy"] <= 1
     assert report["settings"] == {"exit_policy": "confidence", "exit_threshold": 0.0, "kv_strategy": "copy"}
     assert 0 < report["expected_time_reduction_flops"] < 1  # every token left after decoder layer 1 of 4
