@@ -450,29 +450,30 @@ class EarlyExitGenerationMixin(GenerationMixin):
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):  # fmt: skip
         settings = model_kwargs.get("exit_settings")
-        if settings is None or settings.exit_mode != "speculative":
-            cache = getattr(model_kwargs.get("past_key_values"), "self_attention_cache", None)
-            stopping_criteria = RecordedStops(
-                stopping_criteria,
-                model_kwargs.get("exit_layer_log"),
-                cache if isinstance(cache, EarlyExitCache) else None,
+        speculative = settings is not None and settings.exit_mode == "speculative"
+        bound = None if settings is None else settings.draft_max_batch_size
+        if speculative and (bound is None or input_ids.shape[0] <= bound):
+            return self._speculative_sample(
+                input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
             )
-            output = super()._sample(
-                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
-            )
-            if isinstance(cache, EarlyExitCache):  # the loop's record: a later call or `forward` starts with none ended
-                cache.ended = None
-            return output
-        if settings.draft_max_batch_size is not None and input_ids.shape[0] > settings.draft_max_batch_size:
-            # Too many rows for drafts to pay: the full model decodes, which gives the output drafts would.
+        if speculative:  # too many rows for drafts to pay: the full model decodes, which gives the output drafts would
             model_kwargs["exit_settings"] = dataclasses.replace(settings, decoder=None, exit_mode="exit")
-            output = super()._sample(
-                input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
-            )
-            if not generation_config.return_dict_in_generate:
-                return output
-            none = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-            return EarlyExitGenerateOutput(**output, drafted_tokens=none, accepted_tokens=none, speculative_rounds=none)
+        cache = getattr(model_kwargs.get("past_key_values"), "self_attention_cache", None)
+        cache = cache if isinstance(cache, EarlyExitCache) else None
+        stopping_criteria = RecordedStops(stopping_criteria, model_kwargs.get("exit_layer_log"), cache)
+        output = super()._sample(
+            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
+        )
+        if cache is not None:  # the loop's record: a later call or `forward` starts with none ended
+            cache.ended = None
+        if not speculative or not generation_config.return_dict_in_generate:
+            return output
+        none = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+        return EarlyExitGenerateOutput(**output, drafted_tokens=none, accepted_tokens=none, speculative_rounds=none)
+
+    def _speculative_sample(
+        self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs: dict[str, Any]
+    ):
         ending_rows = [type(c).__name__ for c in stopping_criteria if not isinstance(c, ENDING_EVERY_ROW)]
         if ending_rows and not pads_ended_rows(stopping_criteria):
             raise ValueError(

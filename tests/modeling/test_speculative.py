@@ -75,6 +75,11 @@ def test_rows_that_finish_early_stop_where_the_full_model_does(model):
     assert len({int((row == common).nonzero()[0]) if (row == common).any() else -1 for row in expected}) > 1
     out = speculative(model, inputs, CONTROLLERS["fixed"](), num_assistant_tokens=4, eos_token_id=common)
     assert torch.equal(out.sequences, expected)
+    # Above `draft_max_batch_size` the full model decodes, its exit layers 0 past each row's end as everywhere.
+    full = full_greedy(model, inputs, eos_token_id=common, return_dict_in_generate=True)
+    assert bool((full.exit_layers == 0).any())
+    fallback = speculative(model, inputs, CONTROLLERS["fixed"](), eos_token_id=common, draft_max_batch_size=2)
+    assert torch.equal(fallback.sequences, expected) and torch.equal(fallback.exit_layers, full.exit_layers)
 
 
 def test_speculative_mode_continues_from_the_sequences_not_from_a_cache(model):
