@@ -377,6 +377,9 @@ class EarlyExitGenerationMixin(GenerationMixin):
                 "`decoder_inputs_embeds` is for `forward`."
             )
         knobs = {name: kwargs.pop(name) for name in EXIT_KNOBS if name in kwargs}
+        encoder_outputs = kwargs.get("encoder_outputs")
+        if getattr(encoder_outputs, "cross_position_keys", None) is not None:  # an earlier call's, maybe other weights
+            kwargs["encoder_outputs"] = dataclasses.replace(encoder_outputs, cross_position_keys=None)
         settings = kwargs.pop("exit_settings", None)
         if settings is not None and knobs:
             raise ValueError(f"Pass either `exit_settings` or the knobs {sorted(knobs)}, not both.")

@@ -550,7 +550,8 @@ class OFAEncoderOutput(ModelOutput):
     hidden_states: embedding output and each layer's output (before the final LayerNorm), if asked.
     attentions: each layer's attention probabilities, if asked (joint encoder only).
     cross_position_keys: [batch, heads, S, head_dim], the decoder's `cross_pos_k_linear(position_embedding)`,
-        filled by the decoder on its first no-grad call and reused at every later decoding step.
+        filled by the decoder on its first no-grad call and reused at every later decoding step; `generate` drops
+        those of an output passed in (an earlier call's, whose weights may have changed since).
     exit_layers: [batch, 2], encoder layers each row ran for (image, text); full depth without exits.
     """
 
@@ -1099,8 +1100,9 @@ class OFADecoder(nn.Module):
     def cross_position_keys(self, encoder_outputs: OFAEncoderOutput) -> torch.Tensor:
         """Keys of the cross-attention position bias, [batch, heads, S, head_dim].
 
-        They depend only on the encoder output, so during generation (no grad) they are computed once and kept on
-        the encoder output; with grad they are always recomputed, so training never reads stale weights.
+        They depend only on the encoder output and the weights, so during generation (no grad) they are computed
+        once and kept on the encoder output (for one `generate` call: see `OFAEncoderOutput`); with grad they are
+        always recomputed, so training never reads stale weights.
         """
         if encoder_outputs.cross_position_keys is not None and not torch.is_grad_enabled():
             return encoder_outputs.cross_position_keys

@@ -285,6 +285,18 @@ def test_decoding_follows_the_weights_as_they_are_at_each_call():
     assert_decodes_alike(model, other, inputs, atol=0)
 
 
+def test_an_encoder_output_passed_again_decodes_with_the_weights_of_the_call():
+    model, inputs = tiny_model(decoder_layers=3), tiny_inputs()
+    mask = inputs["attention_mask"]
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(**{k: v for k, v in inputs.items() if k != "decoder_input_ids"})
+        model.generate(encoder_outputs=encoder_outputs, attention_mask=mask, max_new_tokens=4)  # keeps derived keys
+        model.decoder.cross_pos_k_linear.weight.mul_(3)
+        again = model.generate(encoder_outputs=encoder_outputs, attention_mask=mask, max_new_tokens=4)
+        fresh = model.generate(**inputs, max_new_tokens=4)
+    assert torch.equal(again, fresh)
+
+
 def test_hooked_and_adapted_projections_are_called_not_read():
     """A forward hook on a key/value projection (or an offload hook, or a LoRA layer) changes what the module gives,
     not its weights: decoding must call such modules, in the full model's cross-attention K/V and in `propagate`'s
