@@ -207,7 +207,9 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             return FixedLayerExit(lambda state: depth[state.rows])
 
         parts = ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
-        return EarlyExitSettings(**{part: sampled_exit() for part in parts})
+        # Training runs forward and backward over every row it keeps in a layer: rows that stopped leave (the
+        # same outputs as keeping them), and no clock decides the plan, as `row_exit="auto"` would.
+        return EarlyExitSettings(**{part: sampled_exit() for part in parts}, row_exit="compact")
 
     def compute_loss(
         self,

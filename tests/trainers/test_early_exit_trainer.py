@@ -539,6 +539,15 @@ def test_encoder_exit_sampling_trains_on_shallower_encoder_states(tmp_path, deco
     assert sampled_loss() == pytest.approx(full, rel=1e-5)
 
 
+def test_encoder_exit_sampling_times_nothing_in_the_training_loop(tmp_path):
+    """Rows stopping at their sampled layers leave the batch: no plan chosen by a clock (`row_exit="auto"`), which
+    timed layers inside training steps and could pick another path on another run."""
+    model = tiny_model(decoder_layers=DEPTH, encoder_layers=4)
+    trainer = trainer_for(tmp_path, model, encoder_exit_sampling=1.0, exit_loss="layerwise")
+    trainer.compute_loss(model.train(), batch_of(TinyCaptions(), size=4)).backward()
+    assert not model.encoder.measured_layer_costs
+
+
 def test_push_to_hub_uploads_remote_code_and_the_early_exit_card_from_the_main_process(tmp_path):
     from unittest import mock
 
