@@ -233,6 +233,7 @@ class RowExits:
         self.token_from_batch_layer = token_from_batch_layer
         self.stop_fraction = stop_fraction
         self.discarded = discarded  # [batch]: rows whose output `generate` throws away, outside the fraction
+        self._discarded_count: int | None = None
         self.finished = False  # every row is ready
         self.stopped_together = False  # ... every row's output comes from the same layer, the last one run
         self._earlier_stops = False
@@ -289,7 +290,9 @@ class RowExits:
         if self.stop_fraction >= 1:
             return False
         batch = len(self.exit_layers)
-        discarded = 0 if self.discarded is None else int(self.discarded.sum())
+        if self._discarded_count is None:  # read once per step, at the first stop that asks
+            self._discarded_count = 0 if self.discarded is None else int(self.discarded.sum())
+        discarded = self._discarded_count
         return ready - discarded >= self.stop_fraction * (batch - discarded)
 
     def compact(self, layer: int, leaving: States, carried: tuple) -> tuple:

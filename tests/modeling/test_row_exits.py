@@ -74,6 +74,26 @@ def test_the_batch_stops_once_the_fraction_of_ready_rows_is_reached():
     assert exits.finished and exits.exit_layers.tolist() == [1, 2, 2, 2]
 
 
+def test_finished_rows_are_counted_once_per_step_and_stand_outside_the_fraction():
+    """Finished rows (`discarded`) stop at the first exit and count on neither side of the fraction; their count is
+    read from the device at the first stop that asks, not at every stop (a sync on a GPU)."""
+    sums = []
+
+    class Discarded(torch.Tensor):
+        def sum(self, *args, **kwargs):
+            sums.append(1)
+            return super().sum(*args, **kwargs)
+
+    discarded = torch.tensor([True, True, False, False, False, False]).as_subclass(Discarded)
+    exits = RowExits(batch_size=6, depth=6, device=CPU, plan=KeepPlan(), stop_fraction=0.5, discarded=discarded)
+    hidden = states(6, 1.0)
+    exits.stop(1, torch.tensor([True, True, False, False, False, False]), {"token": hidden}, {}, (hidden,))
+    exits.stop(2, torch.tensor([False, False, True, False, False, False]), {"token": hidden}, {}, (hidden,))
+    assert not exits.finished  # 1 of the 4 rows that count
+    exits.stop(3, torch.tensor([False, False, False, True, False, False]), {"token": hidden}, {}, (hidden,))
+    assert exits.finished and exits.exit_layers.tolist() == [1, 1, 2, 3, 3, 3] and len(sums) == 1
+
+
 def costs(kept: float, compacted: float, gather: float = 0.0) -> LayerCosts:
     return LayerCosts(rows=(1, 2, 4), kept=(kept,) * 3, compacted=(compacted, compacted, kept), gather=gather)
 
