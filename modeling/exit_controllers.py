@@ -13,7 +13,7 @@ Policies:
 - `ExitControllerList`: stop when any of its controllers says stop.
 
 Every measure is "higher = more ready to stop" and a row stops when it is strictly above the threshold, so a
-threshold of 1.0 (similarity, confidence) never stops anything.
+constant threshold of 1.0 (similarity, confidence) never stops anything (a decaying schedule falls below it).
 """
 
 import math

@@ -3,7 +3,8 @@
 `generate(exit_threshold=0.9, ...)` takes the knobs of `exit_knobs.EXIT_KNOBS`, resolved there (call, then generation
 config, then model config) into one `EarlyExitSettings`: the plan of the call. It travels to `forward` as the
 `exit_settings` model kwarg on every step and carries the controllers to the encoder and decoder; it is not changed
-during the call. The layers each part ran come back in the model's outputs (`exit_layers`, `encoder_exit_layers`);
+during the call. The layer each row exited after comes back in the model's outputs (`exit_layers`,
+`encoder_exit_layers`: the layer its output comes from; under `row_exit="keep"` a row may run deeper with the batch);
 `generate` gathers them step by step as the stock decoding loops hand it each step's outputs, and returns them as
 `exit_layers` / `encoder_exit_layers` with `return_dict_in_generate=True`.
 """
@@ -342,9 +343,10 @@ def with_cross_attention_cache(cache: object) -> object:
 class EarlyExitGenerateOutput(GenerateEncoderDecoderOutput):
     """`generate` output (greedy / sampling) with the layers each token used.
 
-    exit_layers: [rows, new_tokens], decoder layers run for each generated token (speculative mode: the draft's
+    exit_layers: [rows, new_tokens], the decoder layer each generated token exited after (speculative mode: the draft's
         layer for an accepted draft, the full depth for the full model's own tokens).
-    encoder_exit_layers: [rows, 2], encoder layers run for (image, text); both equal for a joint encoder.
+    encoder_exit_layers: [rows, 2], the encoder layer each row exited after (image, text); both equal for a joint
+        encoder.
     drafted_tokens / accepted_tokens / speculative_rounds: [rows], speculative mode only: the tokens each row
         drafted, how many of them the full model accepted, and the rounds (draft, then verify) it took; zeros where
         the call had more rows than `draft_max_batch_size` and the full model decoded.

@@ -552,7 +552,8 @@ class OFAEncoderOutput(ModelOutput):
     cross_position_keys: [batch, heads, S, head_dim], the decoder's `cross_pos_k_linear(position_embedding)`,
         filled by the decoder on its first no-grad call and reused at every later decoding step; `generate` drops
         those of an output passed in (an earlier call's, whose weights may have changed since).
-    exit_layers: [batch, 2], encoder layers each row ran for (image, text); full depth without exits.
+    exit_layers: [batch, 2], the encoder layer each row's output comes from (image, text): its exit, full depth
+        without exits (under `row_exit="keep"` a row may run deeper with the batch).
     """
 
     last_hidden_state: torch.FloatTensor | None = None
@@ -919,7 +920,8 @@ class OFAEncoder(nn.Module):
         """`exit_settings` (optional) carries the exit controllers: `encoder` for the joint encoder, or
         `encoder_image` / `encoder_text` for the streams of a decomposed one. `inputs_embeds` [batch, T, d] may
         replace `input_ids`: the text's token embeddings (`get_input_embeddings()(input_ids)`); images still enter as
-        `pixel_values`."""
+        `pixel_values`. `return_dict` is taken because `generate` passes it; the output is always an
+        `OFAEncoderOutput`."""
         check_one_of(input_ids, inputs_embeds, "input_ids", "inputs_embeds")
         if input_ids is None and inputs_embeds is None and pixel_values is None:
             raise ValueError("The encoder needs `input_ids` (or `inputs_embeds`), `pixel_values` or both.")
@@ -952,7 +954,8 @@ class OFADecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
         The input of the output projection at each exit point of `config.exit_points`, then at the last layer
         (`last_hidden_state`): [batch, q, d_model] each, after the shared final LayerNorm.
     exit_layers (`torch.LongTensor` [batch]):
-        The decoder layers each row ran for these q tokens (all of them without a decoder exit).
+        The decoder layer each row's output comes from for these q tokens: its exit (all of them without a decoder
+        exit; under `row_exit="keep"` a row may run deeper with the batch).
     logits (`torch.FloatTensor` [batch, 1, vocab], only when the exit head computed them):
         The output projection of `last_hidden_state`, when every row stopped at one exit whose controller asked
         for the exit head's logits (a confidence policy): they are the same, so the model does not project again.
@@ -1040,8 +1043,9 @@ class DraftVocabulary:
 
 @dataclass
 class DecoderPositionTable:
-    """The decoder's position terms for every position id 0..P-1 (P = max_position_embeddings + 2), so that a
-    decoding step of rows without a decoder attention mask slices them instead of recomputing them.
+    """The decoder's position terms for every position id 0..P-1, so that a decoding step slices (or gathers) them
+    instead of recomputing them. P starts at 64 or the next power of two above the step's length and doubles as
+    decoding needs (`call_position_table`), up to the table's max_position_embeddings + 2 rows.
 
     positions: [P, d], the LayerNorm'd position embeddings. self_queries / self_keys / cross_queries: [heads, P,
     head_dim], the queries scaled. buckets: [P, P], the relative bucket of (query, key).
@@ -1615,8 +1619,9 @@ class OFADecoder(nn.Module):
         `position_ids` (optional, [batch, past + q]) are the tokens' positions where they are not their slots (a
         speculative batch's rows skip the slots of their rejected drafts); by default OFA's, from the mask.
         With `exit_settings.decoder`, each row stops after the layer its controller picks (all q tokens of a row
-        together); `RowExits` takes it out of the layers after, and its output is its exit head's. The cache then
-        fills the skipped layers by `exit_settings.kv_strategy`. `exit_layers` in the output counts each row's layers.
+        together), and its output is its exit head's; `RowExits` keeps it running with the batch or takes it out
+        of the layers after (`exit_settings.row_exit`). The cache then fills the layers it skipped by
+        `exit_settings.kv_strategy`. `exit_layers` in the output is the layer each row exited after.
         `output_exit_hidden_states` (training the exits) returns every exit head's input after the final LayerNorm.
         """
         check_one_of(input_ids, inputs_embeds, "decoder_input_ids", "decoder_inputs_embeds")
@@ -1771,9 +1776,9 @@ class EarlyExitSeq2SeqLMOutput(Seq2SeqLMOutput):
         The output projection's input at each exit point of `config.exit_points`, then at the last layer:
         [batch, tgt_len, d_model] each, after the shared final LayerNorm.
     exit_layers (`torch.LongTensor` [batch]):
-        The decoder layers each row ran for this pass's tokens (one decoding step in `generate`).
+        The decoder layer each row exited after for this pass's tokens (one decoding step in `generate`).
     encoder_exit_layers (`torch.LongTensor` [batch, 2]):
-        The encoder layers each row ran for (image, text): both the joint encoder's, 0 for a missing modality.
+        The encoder layer each row exited after (image, text): both the joint encoder's, 0 for a missing modality.
     """
 
     exit_hidden_states: tuple[torch.FloatTensor, ...] | None = None

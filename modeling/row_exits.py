@@ -176,8 +176,8 @@ class CompactPlan:
 
 
 class AutoPlan:
-    """Compact at a stop only when the layer costs predict it saves time over the layers left; keep otherwise.
-    `costs()` (measured once per device, dtype and shape by the model) is asked at the first stop only."""
+    """Compact at a stop only when the layer costs predict that the next layer, gathered, saves `LayerCosts.margin`;
+    keep otherwise. `costs()` is asked at every stop; the model measures them once per device, dtype and shape."""
 
     name = "auto"
 

@@ -84,12 +84,12 @@ class RowTokens:
             groups[self.lengths[row] + offset].append(row)
         return groups
 
-    def new_tokens(self, pad_token_id: int) -> torch.Tensor:
+    def new_tokens(self) -> torch.Tensor:
         """[batch, start + longest]: the decoder's input tokens then each row's new ones, padded."""
         longest = max(self.lengths)
         sequences = self.buffer[:, :longest].clone()
         for row, length in enumerate(self.lengths):
-            sequences[row, length:] = pad_token_id
+            sequences[row, length:] = self.pad_token_id
         return sequences
 
 
@@ -491,7 +491,7 @@ def speculative_generate(
         generating = still
     if streamer is not None:
         streamer.end()
-    sequences = tokens.new_tokens(pad)
+    sequences = tokens.new_tokens()
     if slots.mask is not None:  # the cache the caller gets holds each row's tokens in order, as the full model's
         kept = slots.mask.clone()
         kept[:, : input_ids.shape[1]] = 1  # a padded prompt's pads keep their slots, as in the full model's cache

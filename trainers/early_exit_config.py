@@ -32,7 +32,7 @@ class EarlyExitTrainingArguments(Seq2SeqTrainingArguments):
         - "none": the last layer's cross-entropy alone (plain fine-tuning, the baseline).
     exit_loss_weights: "uniform" (1 each), "increasing" (layer / decoder_layers) or a comma-separated list, one
         weight per loss term: each exit of `config.exit_points`, then the last layer for "layerwise" /
-        "deep_supervision" / "none".
+        "deep_supervision"; for "none", the last layer's only.
     freeze_backbone: train the exit heads only (adapters or exit transformer layers); the backbone, its final
         LayerNorm and output projection stay bit-identical.
     distill_temperature: temperature of the KL terms (scaled by its square, as in Hinton et al.).

@@ -6,14 +6,15 @@ The losses, one pure function per `exit_loss`, are in `losses`, with their formu
     deep_supervision   L = Σ_l w_l · CE(head(adapter_l(h_l)), y) / Σ_l w_l                                (DEED)
     distill            L = Σ_e w_e · T² · KL(p_last^T ‖ p_e^T)                              no labels needed
     adversarial        L = Σ_e w_e · task_e + a · Σ_e BCE(D_e(f_e), real)     task_e = CE with labels, else KL
-                       L_D = Σ_e BCE(D_e(f_last), real) + BCE(D_e(f_e), fake), stepped by its own optimizer
+                       L_D = Σ_e mean_n BCE(D_e(f_last), real) + mean_n BCE(D_e(f_e), fake), its own optimizer
     none               L = w · CE(head(h_last), y)
 
-Every loss term is a sum over target tokens, divided by the target tokens of the whole accumulated batch on every
-process (the count the Trainer makes for `num_items_in_batch`, from the decoder's mask for the label-free losses),
-so gradient accumulation and data parallelism give the update of one large batch. Each term, as a per-token mean
-over the tokens since the last log, is logged as `loss_exit_{layer}`, `loss_final`, `loss_adv_{layer}` and
-`loss_disc`.
+Every loss term of the model is a sum over target tokens, divided by the target tokens of the whole accumulated batch
+on every process (the count the Trainer makes for `num_items_in_batch`, from the decoder's mask for the label-free
+losses), so gradient accumulation and data parallelism give the update of one large batch. Each such term, as a
+per-token mean over the tokens since the last log, is logged as `loss_exit_{layer}`, `loss_final` and
+`loss_adv_{layer}`. The discriminators' L_D is a mean over each micro-batch's tokens already, stepped per
+micro-batch, and logged as `loss_disc`, its mean over the micro-batches since the last log.
 
 The discriminators and the exits alternate, as in FREE: on each micro-batch the discriminators step first, on the
 features just computed, and the generators' loss is then taken against the discriminators as they now are.
