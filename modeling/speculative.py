@@ -28,10 +28,13 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from .exit_controllers import ExitController, ExitState, checked_decision
 
@@ -443,7 +446,13 @@ class RoundLog:
 
 
 def speculative_generate(
-    model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    streamer: BaseStreamer | None,
+    model_kwargs: dict[str, Any],
 ) -> SpeculativeOutput:
     """`generate`'s greedy / sampling loop in speculative mode, on the decoder inputs `input_ids` [batch, T] (the
     decoder start token, or a decoder prompt) and `generate`'s prepared model kwargs (encoder outputs, an
