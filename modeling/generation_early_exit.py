@@ -386,7 +386,8 @@ class EarlyExitGenerationMixin(GenerationMixin):
         if settings is not None and knobs:
             raise ValueError(f"Pass either `exit_settings` or the knobs {sorted(knobs)}, not both.")
         source = self.generation_config if generation_config is None else completed(generation_config, self)
-        prompt = kwargs.get("decoder_input_ids")
+        prompt, requests = kwargs.get("decoder_input_ids"), request_count(inputs, kwargs)
+        check_decoder_inputs(kwargs, requests)
         prompt_length = 1 if prompt is None else prompt.shape[-1]
         values = within_positions(self.config, source, kwargs, prompt_length)
         if settings is None:
@@ -394,7 +395,7 @@ class EarlyExitGenerationMixin(GenerationMixin):
             # Transformers expands each request into max(num_beams, num_return_sequences) decoder rows.
             expand = max(kwargs.get(name) or getattr(source, name, None) or 1 for name in ROW_EXPANSIONS)
             settings = EarlyExitSettings.from_knobs(
-                self.config, source, max_steps, request_count(inputs, kwargs), expand, prompt_length, **knobs
+                self.config, source, max_steps, requests, expand, prompt_length, **knobs
             )
         check_drafts_used(settings.exit_mode, knobs)
         check_decoding(settings, source, kwargs)
@@ -615,6 +616,17 @@ def request_count(inputs: torch.Tensor | None, kwargs: dict[str, Any]) -> int | 
     if encoder_outputs is not None:
         given.append(encoder_outputs.last_hidden_state)
     return next((tensor.shape[0] for tensor in given if tensor is not None), None)
+
+
+def check_decoder_inputs(kwargs: dict[str, Any], requests: int | None) -> None:
+    """A decoder prompt (or its mask) of another batch size than the inputs' is a ValueError naming it; Transformers
+    would fail deep in the model, or index past a row."""
+    for name in ("decoder_input_ids", "decoder_attention_mask"):
+        given = kwargs.get(name)
+        if given is not None and requests is not None and given.shape[0] != requests:
+            raise ValueError(
+                f"`{name}` has {given.shape[0]} rows but the inputs have {requests}: give one row per input row."
+            )
 
 
 ASSISTED = ("assistant_model", "prompt_lookup_num_tokens")

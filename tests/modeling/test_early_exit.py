@@ -1005,6 +1005,21 @@ def test_whole_numbers_and_scalar_tensors_are_thresholds_like_floats(model):
         assert torch.equal(generate(model, inputs, "greedy", exit_threshold=threshold).sequences, expected)
 
 
+@pytest.mark.parametrize(
+    "knobs", [NO_EXIT, dict(exit_threshold=0.5), dict(exit_mode="speculative", exit_threshold=0.5)]
+)
+@pytest.mark.parametrize("name", ["decoder_input_ids", "decoder_attention_mask"])
+def test_a_decoder_prompt_of_another_batch_size_is_refused_by_name(model, knobs, name):
+    prompt = {
+        "decoder_input_ids": torch.tensor([[0, 5, 6]]),
+        "decoder_attention_mask": torch.ones(1, 3, dtype=torch.long),
+    }
+    if name == "decoder_attention_mask":
+        prompt["decoder_input_ids"] = prompt["decoder_input_ids"].expand(3, -1)
+    with pytest.raises(ValueError, match=f"`{name}` has 1 rows but the inputs have 3"):
+        model.generate(**batch_of(3), **prompt, max_new_tokens=3, **knobs)
+
+
 def test_a_cache_built_for_another_strategy_is_refused(model):
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
