@@ -12,7 +12,7 @@ read it.
 import difflib
 import functools
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, get_args
 
 from transformers.utils import logging
@@ -181,18 +181,23 @@ def check_drafts_used(exit_mode: str, given: dict[str, Any]) -> None:
         )
 
 
-def check_encoder_parts(parts: set[str], config: Any) -> None:
-    """Per-stream exits need the decomposed encoder; the joint exit needs the joint one."""
+def threshold_knob(part: str) -> str:
+    return f"`{part}_exit_threshold`"
+
+
+def check_encoder_parts(parts: set[str], config: Any, knob: Callable[[str], str] = threshold_knob) -> None:
+    """Per-stream exits need the decomposed encoder; the joint exit needs the joint one. `knob(part)` names how a
+    part's exit was given (its threshold knob, or an `exit_controller` entry)."""
     if config.decompose_encoder_modalities and "encoder" in parts:
         raise ValueError(
             "This model's encoder runs image and text as separate streams (`decompose_encoder_modalities=True`): "
-            "use `encoder_image_exit_threshold` / `encoder_text_exit_threshold` instead of `encoder_exit_threshold`."
+            f"use {knob('encoder_image')} / {knob('encoder_text')} instead of {knob('encoder')}."
         )
     streams = sorted({"encoder_image", "encoder_text"} & parts)
     if not config.decompose_encoder_modalities and streams:
         raise ValueError(
             f"Exits for {streams} need an encoder that runs image and text as separate streams "
-            "(`decompose_encoder_modalities=True`); this one is joint: use `encoder_exit_threshold`."
+            f"(`decompose_encoder_modalities=True`); this one is joint: use {knob('encoder')}."
         )
 
 

@@ -115,7 +115,8 @@ class EarlyExitSettings:
         for part, controller in controllers.items():
             if not callable(controller):
                 raise ValueError(f"`exit_controller` for {part!r} must be callable, got {type(controller).__name__}.")
-        check_encoder_parts(set(controllers), config)
+        # The threshold knobs were checked with the others: a part that does not fit came from `exit_controller`.
+        check_encoder_parts(set(controllers), config, knob=lambda part: f'`exit_controller={{"{part}": ...}}`')
         settings = cls(
             **controllers,
             kv_strategy=value["kv_strategy"],

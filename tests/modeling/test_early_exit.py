@@ -1079,6 +1079,19 @@ def test_encoder_exits_alone_decode_without_the_cache_and_saved_decoder_exits_re
         del model.generation_config.exit_threshold
 
 
+@pytest.mark.parametrize(
+    ("decomposed", "part", "message"),
+    [
+        (True, "encoder", r'use `exit_controller=\{"encoder_image": ...\}` / `exit_controller=\{"encoder_text"'),
+        (False, "encoder_text", r'this one is joint: use `exit_controller=\{"encoder": ...\}`'),
+    ],
+)
+def test_an_encoder_controller_for_the_other_kind_of_encoder_names_exit_controller(decomposed, part, message):
+    model = tiny_model(decompose_encoder_modalities=decomposed)
+    with pytest.raises(ValueError, match=message):
+        model.generate(**batch_of(2), max_new_tokens=3, exit_controller={part: FixedLayerExit(1)})
+
+
 def test_no_exit_asks_for_the_full_model_whatever_is_saved():
     import hf_earlyexit
 
