@@ -43,6 +43,7 @@ def main(out_dir: Path) -> None:
     args = arguments(
         out_dir,
         exit_loss="adversarial",
+        freeze_backbone=True,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
         hub_model_id="someone/tiny-ofa-ee",

@@ -124,9 +124,9 @@ def test_task_losses_equal_a_hand_computation(tmp_path, exit_loss, overrides, we
 
 
 def test_distillation_without_labels_equals_a_hand_computation(tmp_path):
-    model = tiny_model(decoder_layers=DEPTH)
+    model = tiny_model(decoder_layers=DEPTH, exit_adapter_dim=8)
     dataset = TinyCaptions(labels=False)
-    trainer = trainer_for(tmp_path, model, dataset, exit_loss="distill", distill_temperature=2.0)
+    trainer = trainer_for(tmp_path, model, dataset, exit_loss="distill", distill_temperature=2.0, freeze_backbone=True)
     batch = batch_of(dataset)
     exit_logits, final_logits, _ = hand_logits(model, batch)
     mask = batch["decoder_attention_mask"].bool()
@@ -173,9 +173,12 @@ def test_gradient_accumulation_gives_the_large_batch_update(tmp_path, labels):
     uniform layer-wise terms sum to the loss. (SGD: Adam's g / sqrt(v) would blow float noise on near-zero gradients
     up to full steps.)"""
     final, logged = [], []
+    heads = {} if labels else {"exit_adapter_dim": 8}  # "distill" trains exit heads on a frozen backbone
+    trained = "decoder.layers.0.fc1.weight" if labels else "decoder.exit_adapters.0.up.weight"
     for batch_size, accumulation in ((4, 1), (2, 2)):
         trainer = trainer_for(
             tmp_path,
+            tiny_model(decoder_layers=DEPTH, **heads),
             dataset=TinyCaptions(size=4, labels=labels, lengths=(5, 5, 5, 1)),  # any two pairs: 10 and 6 tokens
             max_steps=1,
             per_device_train_batch_size=batch_size,
@@ -184,12 +187,13 @@ def test_gradient_accumulation_gives_the_large_batch_update(tmp_path, labels):
             exit_loss_weights="uniform",
             optim="sgd",
             learning_rate=0.1,
+            freeze_backbone=not labels,
         )
         trainer.train()
         final.append(dict(trainer.model.named_parameters()))
         logged.append(trainer.state.log_history[0])
-    before = dict(tiny_model(decoder_layers=DEPTH).named_parameters())
-    assert not torch.equal(final[0]["decoder.layers.0.fc1.weight"], before["decoder.layers.0.fc1.weight"])
+    before = dict(tiny_model(decoder_layers=DEPTH, **heads).named_parameters())
+    assert not torch.equal(final[0][trained], before[trained])
     for name, parameter in final[0].items():
         torch.testing.assert_close(parameter, final[1][name], rtol=0, atol=2e-6, msg=name)
     for log in logged:
@@ -338,6 +342,7 @@ def test_resume_from_a_checkpoint_continues_the_same_loss_curve(tmp_path):
             tmp_path,
             model,
             exit_loss="adversarial",
+            freeze_backbone=True,
             max_steps=4,
             save_strategy="steps",
             save_steps=2,
@@ -394,9 +399,11 @@ def test_a_peft_model_trains_exit_heads_listed_in_modules_to_save_and_refuses_th
 
 @pytest.mark.parametrize("exit_loss", ["distill", "adversarial"])
 def test_label_free_losses_report_the_loss_they_train_as_eval_loss(tmp_path, exit_loss):
-    model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2] if exit_loss == "adversarial" else None)
+    model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2])
     dataset = TinyCaptions(labels=False)
-    trainer = trainer_for(tmp_path, model, dataset=dataset, exit_loss=exit_loss, per_device_eval_batch_size=8)
+    trainer = trainer_for(
+        tmp_path, model, dataset=dataset, exit_loss=exit_loss, per_device_eval_batch_size=8, freeze_backbone=True
+    )
     metrics = trainer.evaluate(eval_dataset=dataset)
     with torch.no_grad():
         expected = float(trainer.compute_loss(model.eval(), batch_of(dataset, size=8)))
@@ -419,7 +426,13 @@ def test_resuming_on_a_numbered_host_device_restores_the_discriminators(tmp_path
     def adversarial_trainer(max_steps: int) -> EarlyExitTrainer:
         model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2])
         return trainer_for(
-            tmp_path, model, exit_loss="adversarial", max_steps=max_steps, save_strategy="steps", save_steps=2
+            tmp_path,
+            model,
+            exit_loss="adversarial",
+            freeze_backbone=True,
+            max_steps=max_steps,
+            save_strategy="steps",
+            save_steps=2,
         )
 
     adversarial_trainer(2).train()
@@ -478,6 +491,9 @@ def test_bad_arguments_raise(tmp_path, overrides, message):
         ({}, dict(exit_loss="deep_supervision"), "set `exit_adapter_dim`"),
         ({}, dict(freeze_backbone=True), "leaves only the exit heads"),
         ({"exit_adapter_dim": 8}, dict(exit_loss="none", freeze_backbone=True), "leaves only the exit heads"),
+        # No term at the last layer: a trainable backbone drifts from the full model (was trained, silently).
+        ({}, dict(exit_loss="distill"), "exit_loss='distill' trains no term at the last layer.*freeze_backbone=True"),
+        ({"exit_transformer_layers": [2]}, dict(exit_loss="adversarial"), "'adversarial' trains no term"),
     ],
 )
 def test_arguments_that_do_not_fit_the_model_raise(tmp_path, config, overrides, message):
@@ -496,7 +512,13 @@ def test_resuming_adversarial_training_from_a_checkpoint_without_discriminators_
     def adversarial_trainer(max_steps: int) -> EarlyExitTrainer:
         model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2])
         return trainer_for(
-            tmp_path, model, exit_loss="adversarial", max_steps=max_steps, save_strategy="steps", save_steps=2
+            tmp_path,
+            model,
+            exit_loss="adversarial",
+            freeze_backbone=True,
+            max_steps=max_steps,
+            save_strategy="steps",
+            save_steps=2,
         )
 
     adversarial_trainer(2).train()
@@ -582,12 +604,19 @@ def test_push_to_hub_uploads_remote_code_and_the_early_exit_card_from_the_main_p
 def test_eval_loss_is_the_exit_loss_whether_or_not_evaluation_generates(tmp_path, exit_loss):
     """Seq2SeqTrainer's generating step computed the final layer's cross-entropy alone; `eval_loss` must not change
     meaning with `predict_with_generate`. Evaluation gathers no exit hidden states."""
-    model = tiny_model(decoder_layers=DEPTH)
+    model = tiny_model(decoder_layers=DEPTH, exit_adapter_dim=8)
+    frozen = exit_loss == "distill"  # the label-free losses train exit heads on a frozen backbone
     losses = {}
     for generating in (False, True):
         trainer = EarlyExitTrainer(
             model=model,
-            args=arguments(tmp_path, exit_loss=exit_loss, predict_with_generate=generating, generation_max_length=4),
+            args=arguments(
+                tmp_path,
+                exit_loss=exit_loss,
+                predict_with_generate=generating,
+                generation_max_length=4,
+                freeze_backbone=frozen,
+            ),
             eval_dataset=TinyCaptions(),
             compute_metrics=lambda prediction: {"rows": float(len(prediction.label_ids))},
         )
