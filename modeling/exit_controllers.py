@@ -112,15 +112,15 @@ class MuEOfficialSchedule(ThresholdSchedule):
 
 
 class CALMSchedule(ThresholdSchedule):
-    """CALM's decay: clip(0.9λ + 0.1·exp(−τ·t / N), 0, 1)."""
+    """CALM's decay: 0.9λ + 0.1·exp(−τ·t / N). CALM clips it to [0, 1], its confidence's range; for any λ in
+    [−1, 1] it stays within [−0.9, 1], so no clip is needed, and a negative similarity threshold keeps its sign."""
 
     def __init__(self, threshold: float, tau: float = 4.0):
         super().__init__(threshold)
         self.tau = tau
 
     def __call__(self, step: int, max_steps: int) -> "float | torch.Tensor":
-        decayed = 0.9 * self.threshold + 0.1 * math.exp(-self.tau * step / max_steps)
-        return decayed.clamp(0.0, 1.0) if isinstance(decayed, torch.Tensor) else min(max(decayed, 0.0), 1.0)
+        return 0.9 * self.threshold + 0.1 * math.exp(-self.tau * step / max_steps)
 
 
 # In the order of `SCHEDULE_NAMES`, the names the knobs accept.
@@ -232,11 +232,12 @@ class SimilarityExit(ThresholdExit):
         if self.reduction == "batch":
             counted = slice(None) if state.waiting is None else state.waiting
             similarity = F.cosine_similarity(current[counted].reshape(1, -1), previous[counted].reshape(1, -1), dim=-1)
-            return similarity.expand(rows)
+            return similarity.clamp(-1.0, 1.0).expand(rows)
         if state.attention_mask is not None:
             real = state.attention_mask[..., None].to(current.dtype)
             current, previous = current * real, previous * real
-        return F.cosine_similarity(current.reshape(rows, -1), previous.reshape(rows, -1), dim=-1)
+        # Rounding puts the cosine of equal vectors at 1.0000001 about half the time: above a threshold of 1.0.
+        return F.cosine_similarity(current.reshape(rows, -1), previous.reshape(rows, -1), dim=-1).clamp(-1.0, 1.0)
 
 
 class ConfidenceExit(ThresholdExit):

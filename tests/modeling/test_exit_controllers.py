@@ -98,6 +98,11 @@ def test_threshold_one_never_exits():
     one_hot = torch.tensor([[0.0, 100.0]])
     assert not ConfidenceExit(1.0)(state(torch.zeros(1, 1, 2), logits=one_hot)).any()
     assert not SimilarityExit(1.0)(state(torch.ones(1, 2, 4))).any()
+    # A layer that changes nothing: rounding puts the cosine of equal vectors above 1.0 about half the time.
+    same = torch.randn(200, 3, 32, generator=torch.Generator().manual_seed(0))
+    for reduction in ("row", "batch"):
+        assert not SimilarityExit(1.0, reduction=reduction)(state(same, same.clone())).any()
+    assert not SimilarityExit(0.5, schedule="mue_official")(state(same, same.clone(), step=0)).any()
 
 
 def test_logits_are_computed_once_and_only_when_asked():
@@ -118,6 +123,7 @@ def test_schedules_follow_their_formulas():
     assert official(6, 16) == pytest.approx(0.876, abs=1e-3) and official(16, 16) == pytest.approx(0.847, abs=1e-3)
     calm = CALMSchedule(0.9, tau=4.0)
     assert calm(0, 16) == pytest.approx(0.91) and calm(16, 16) == pytest.approx(0.81 + 0.1 * math.exp(-4))
+    assert CALMSchedule(-0.5)(16, 16) == pytest.approx(-0.45 + 0.1 * math.exp(-4))  # a similarity's, lowered too
 
 
 def test_scheduled_threshold_changes_the_decision_over_steps():
