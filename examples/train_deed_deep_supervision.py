@@ -14,4 +14,6 @@ if __name__ == "__main__":
     add_training_arguments(parser)
     parser.add_argument("--adapter-dim", type=int, default=64, help="bottleneck width of the adaptation modules")
     options = parser.parse_args()
-    fine_tune(options, {"exit_adapter_dim": options.adapter_dim}, exit_loss="deep_supervision")
+    # DEED's inference, saved with the model: the exit head's confidence decides, skipped layers are recomputed.
+    inference = {"exit_policy": "confidence", "kv_strategy": "recompute"}
+    fine_tune(options, {"exit_adapter_dim": options.adapter_dim, **inference}, exit_loss="deep_supervision")

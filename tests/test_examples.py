@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModel
 
+from hf_earlyexit.modeling.exit_knobs import resolve_knobs
 from tests.hf_earlyexit.test_data import shapes_dataset
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -17,7 +18,10 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
     "script, heads",
     [
         ("train_mue_layerwise.py", {"decompose_encoder_modalities": True}),
-        ("train_deed_deep_supervision.py", {"exit_adapter_dim": 64}),
+        (
+            "train_deed_deep_supervision.py",
+            {"exit_adapter_dim": 64, "exit_policy": "confidence", "kv_strategy": "recompute"},
+        ),
         ("train_blipee_adversarial.py", {"exit_transformer_layers": [1, 2, 3]}),
         ("train_blipee_distill.py", {"exit_transformer_layers": [1, 2, 3]}),
     ],
@@ -28,8 +32,9 @@ def test_training_example_runs_and_saves_its_exit_heads(tmp_path, monkeypatch, s
     argv = [script, "--dataset", str(tmp_path / "shapes"), "--output-dir", str(output), "--max-steps", "1"]
     monkeypatch.setattr(sys, "argv", [*argv, "--batch-size", "2"])
     runpy.run_path(str(EXAMPLES / script), run_name="__main__")
-    config = AutoModel.from_pretrained(output, trust_remote_code=True).config
-    assert {name: getattr(config, name) for name in heads} == heads
+    model = AutoModel.from_pretrained(output, trust_remote_code=True)
+    knobs = resolve_knobs(model.config, model.generation_config)  # the exit knobs a plain `generate` runs with
+    assert {name: knobs[name] if name in knobs else getattr(model.config, name) for name in heads} == heads
 
 
 def test_embedded_model_recipe_teaches_the_image_stream_colour_before_the_tasks():
