@@ -420,23 +420,25 @@ def test_an_evaluation_loss_is_this_batchs_per_token_mean_whatever_count_the_tra
     assert counted == pytest.approx(own)
 
 
+def adversarial_trainer(tmp_path, max_steps: int) -> EarlyExitTrainer:
+    """BLIPEE's training of a tiny model, checkpointing every 2 steps."""
+    model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2])
+    return trainer_for(
+        tmp_path,
+        model,
+        exit_loss="adversarial",
+        freeze_backbone=True,
+        max_steps=max_steps,
+        save_strategy="steps",
+        save_steps=2,
+    )
+
+
 def test_resuming_on_a_numbered_host_device_restores_the_discriminators(tmp_path, monkeypatch):
     """A process group on CPUs gives `args.device` "cpu:0", which `torch.load` cannot restore to."""
 
-    def adversarial_trainer(max_steps: int) -> EarlyExitTrainer:
-        model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2])
-        return trainer_for(
-            tmp_path,
-            model,
-            exit_loss="adversarial",
-            freeze_backbone=True,
-            max_steps=max_steps,
-            save_strategy="steps",
-            save_steps=2,
-        )
-
-    adversarial_trainer(2).train()
-    resumed = adversarial_trainer(3)
+    adversarial_trainer(tmp_path, 2).train()
+    resumed = adversarial_trainer(tmp_path, 3)
     monkeypatch.setattr(EarlyExitTrainingArguments, "device", property(lambda self: torch.device("cpu", 0)))
     resumed.create_optimizer_and_scheduler(num_training_steps=3)
     resumed._load_optimizer_and_scheduler(str(tmp_path / "out" / "checkpoint-2"))
@@ -509,22 +511,10 @@ def test_task_loss_without_labels_raises(tmp_path):
 
 
 def test_resuming_adversarial_training_from_a_checkpoint_without_discriminators_raises(tmp_path):
-    def adversarial_trainer(max_steps: int) -> EarlyExitTrainer:
-        model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2])
-        return trainer_for(
-            tmp_path,
-            model,
-            exit_loss="adversarial",
-            freeze_backbone=True,
-            max_steps=max_steps,
-            save_strategy="steps",
-            save_steps=2,
-        )
-
-    adversarial_trainer(2).train()
+    adversarial_trainer(tmp_path, 2).train()
     (tmp_path / "out" / "checkpoint-2" / DISCRIMINATORS_NAME).unlink()
     with pytest.raises(ValueError, match=f"{DISCRIMINATORS_NAME}.*save_only_model=True"):
-        adversarial_trainer(3).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+        adversarial_trainer(tmp_path, 3).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
 
 
 @pytest.mark.parametrize("decomposed", [False, True])
