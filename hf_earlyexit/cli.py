@@ -556,7 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--exit-adapter-dim", type=positive_int, help="add DEED adaptation modules of this width")
     train.add_argument("--exit-transformer-layers", help="add BLIPEE exit layers after these decoder layers: 1,2,3")
-    train.add_argument("--freeze-backbone", action="store_true", help="train the exit heads only")
+    train.add_argument(
+        "--freeze-backbone", action="store_true", help="train the exit heads only (needed by distill and adversarial)"
+    )
     train.set_defaults(run=cmd_train)
 
     task_names = ["vqa", "entailment", "caption"]
