@@ -129,10 +129,15 @@ def task_line(name: str, report: dict[str, Any], encoder_layers: int, decoder_la
     if speculative is None:
         return line
     same = "the full model's outputs" if speculative["same_outputs_as_full"] else "OUTPUTS DIFFER from the full model"
+    drafts = (
+        "no call drafted (more rows than `draft_max_batch_size`: the full model decoded)"
+        if speculative["acceptance_rate"] is None
+        else f"{100 * speculative['acceptance_rate']:.0f}% of drafts accepted, "
+        f"{speculative['tokens_per_round']:.1f} tokens per round"
+    )
     return (
         f"{line}\n  {'':<10} speculative (lossless): {same}, {full['seconds']:.2f} s -> {speculative['seconds']:.2f} s "
-        f"({speculative['speedup_over_full']:.2f}x), {100 * speculative['acceptance_rate']:.0f}% of drafts accepted, "
-        f"{speculative['tokens_per_round']:.1f} tokens per round"
+        f"({speculative['speedup_over_full']:.2f}x), {drafts}"
     )
 
 

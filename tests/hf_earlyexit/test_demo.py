@@ -80,3 +80,18 @@ def test_demo_lines_say_the_report_in_words():
         "  [caption] what does the image describe? -> a(1) circle(2)  (encoder layers: image 3, text 2)",
         "The captions' exit layers, as a picture: out/caption_exits.png",
     ]
+
+
+def test_a_speculative_run_that_never_drafted_says_so():
+    """Above `draft_max_batch_size` (`demo --batch-size 16` on the embedded model) no call drafts: no acceptance."""
+    side = {
+        "quality": 0.5,
+        "seconds": 2.0,
+        "mean_layers": {"encoder_image": 3, "encoder_text": 2, "decoder_per_token": 1},
+    }
+    task = {"metric": "CIDEr", "full": side, "quality_ratio": 1.0, "wall_clock_time_reduction": 0.0,
+            "early_exit": {**side, "expected_time_reduction": 0.4},
+            "speculative": {"seconds": 2.0, "same_outputs_as_full": True, "speedup_over_full": 1.0,
+                            "acceptance_rate": None, "tokens_per_round": None}}  # fmt: skip
+    report = DemoReport(Path("somewhere"), 3_200_000, 4, 4, {}, 2, tasks={"caption": task})
+    assert "no call drafted (more rows than `draft_max_batch_size`" in demo_lines(report)[2]
