@@ -174,12 +174,13 @@ import torch
 from PIL import Image
 from transformers import AutoModel, AutoProcessor
 
-folder, image_path, no_exit = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+folder, image_path, no_exit, first = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
 processor = AutoProcessor.from_pretrained(folder, trust_remote_code=True)
 controllers = importlib.import_module(type(model).__module__.rsplit(".", 1)[0] + ".exit_controllers")
 inputs = processor(images=Image.open(image_path), text=" what does the image describe?", return_tensors="pt")
-runs = {"full": no_exit, "defaults": {}, "first_layer": {**no_exit, "exit_controller": controllers.FixedLayerExit(1)}}
+forced = {**no_exit, "exit_controller": controllers.FixedLayerExit(first)}
+runs = {"full": no_exit, "defaults": {}, "first_exit": forced}
 report = {"module": type(model).__module__}
 with torch.no_grad():
     for name, knobs in runs.items():
@@ -194,10 +195,13 @@ print(json.dumps(report))
 
 def validate_folder(folder: str | Path, timeout: float = 600) -> dict[str, Any]:
     """Load `folder` with `trust_remote_code=True` in a subprocess where `hf_earlyexit` is not importable (offline,
-    empty modules cache) and generate with no exit, with the saved exit defaults and with every token exiting after
-    decoder layer 1; check the exits happened and that the full model gives this package's tokens. Returns the
-    subprocess's report; raises ValueError with the reason otherwise."""
+    empty modules cache) and generate with no exit, with the saved exit defaults and with every token exiting at the
+    first exit point (decoder layer 1, or BLIPEE's first exit layer); check that each gives this package's tokens,
+    that the full model ran every layer and the forced tokens exited there. Returns the subprocess's report; raises
+    ValueError with the reason otherwise."""
     folder = Path(folder)
+    model = EarlyExitOFAForConditionalGeneration.from_pretrained(folder).eval()
+    first = model.config.exit_points[0]
     with tempfile.TemporaryDirectory() as scratch:
         image_path = Path(scratch) / VALIDATION_IMAGE
         pixels = np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8)
@@ -206,7 +210,8 @@ def validate_folder(folder: str | Path, timeout: float = 600) -> dict[str, Any]:
         env.pop("PYTHONPATH", None)
         try:
             result = subprocess.run(
-                [sys.executable, "-c", VALIDATION_SCRIPT, str(folder.resolve()), str(image_path), json.dumps(NO_EXIT)],
+                [sys.executable, "-c", VALIDATION_SCRIPT, str(folder.resolve()), str(image_path), json.dumps(NO_EXIT),
+                 str(first)],
                 capture_output=True, text=True, env=env, cwd=scratch, timeout=timeout,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
@@ -215,14 +220,14 @@ def validate_folder(folder: str | Path, timeout: float = 600) -> dict[str, Any]:
             last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
             raise ValueError(f"{folder} does not load and generate without hf_earlyexit: {last}")
         report = json.loads(result.stdout.strip().splitlines()[-1])
-        model = EarlyExitOFAForConditionalGeneration.from_pretrained(folder).eval()
         inputs = OFAProcessor.from_pretrained(folder)(
             images=Image.open(image_path), text=" what does the image describe?", return_tensors="pt"
         )
         with torch.no_grad():
+            runs = {"full": NO_EXIT, "defaults": {}, "first_exit": NO_EXIT | {"exit_controller": FixedLayerExit(first)}}
             expected = {
-                name: model.generate(**inputs, **(NO_EXIT | extra), max_new_tokens=8, do_sample=False, num_beams=1)
-                for name, extra in (("full", {}), ("first_layer", {"exit_controller": FixedLayerExit(1)}))
+                name: model.generate(**inputs, **knobs, max_new_tokens=8, do_sample=False, num_beams=1)
+                for name, knobs in runs.items()
             }
     depth = model.config.decoder_layers
     problems = []
@@ -233,8 +238,8 @@ def validate_folder(folder: str | Path, timeout: float = 600) -> dict[str, Any]:
             problems.append(f"the remote code's {name.replace('_', ' ')} tokens differ from this package's")
     if any(layer not in (0, depth) for row in report["full"]["exit_layers"] for layer in row):
         problems.append("the full model exited early")
-    if any(layer not in (0, 1) for row in report["first_layer"]["exit_layers"] for layer in row):
-        problems.append("tokens forced to exit after layer 1 ran deeper")
+    if any(layer not in (0, first) for row in report["first_exit"]["exit_layers"] for layer in row):
+        problems.append(f"tokens forced to exit after layer {first} did not")
     if problems:
         raise ValueError(f"{folder} failed validation: {'; '.join(problems)}.")
     return report

@@ -180,8 +180,19 @@ def test_validation_loads_without_the_package_and_generates_with_and_without_exi
     assert report["hf_earlyexit_imported"] is False
     assert report["module"].startswith("transformers_modules")
     assert {layer for row in report["full"]["exit_layers"] for layer in row} <= {0, 3}
-    assert {layer for row in report["first_layer"]["exit_layers"] for layer in row} <= {0, 1}
+    assert {layer for row in report["first_exit"]["exit_layers"] for layer in row} <= {0, 1}
     assert report["defaults"]["encoder_exit_layers"]  # the calibrated defaults ran
+
+
+def test_validation_forces_the_first_exit_point_of_blipee_exit_layers(tmp_path):
+    """BLIPEE's tokens exit only at its exit layers: the forced run exits at the first, not at layer 1."""
+    texts = ["a red circle left of a blue square", " what does the image describe?"] * 20
+    sizes = dict(d_model=32, encoder_layers=2, decoder_layers=3, encoder_ffn_dim=64, decoder_ffn_dim=64)
+    model, processor = small_model_and_processor(texts, vocab_size=300, exit_transformer_layers=[2], **sizes)
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    report = validate_folder(tmp_path)  # was "tokens forced to exit after layer 1 ran deeper"
+    assert {layer for row in report["first_exit"]["exit_layers"] for layer in row} <= {0, 2}
 
 
 def test_validation_refuses_a_folder_whose_code_does_not_load(assembled, tmp_path):
