@@ -162,6 +162,8 @@ def test_card_metadata_parses_and_holds_the_measured_table(assembled):
         in card.text
     )
     assert f'AutoModel.from_pretrained("{REPO_ID}", trust_remote_code=True)' in card.text
+    # The card's full-model call turns off every encoder exit a model may save (a joint encoder's too).
+    assert all(f"{part}_exit_threshold=None" in card.text for part in ("encoder", "encoder_image", "encoder_text"))
     assert json.dumps(KNOBS) in card.text  # the calibrated defaults
     assert "`max_steps`: 7" in card.text  # the recipe
     assert "2 encoder and 3 decoder layers, d_model 32" in card.text
