@@ -35,7 +35,6 @@ import torch
 from .evaluation import Asks, TaskInputs, TaskRun, flop_costs, run_batch, run_knobs, score, task_inputs
 from .measures import (
     PartCosts,
-    batch_deepest,
     encoder_streams,
     expected_time_reduction,
     full_depth_cost,
@@ -403,7 +402,9 @@ class PartCostRuns:
         embeddings, and of one test of each encoder asker's controller after a layer; seconds per generated token of
         one decoder layer, of the rest of a decoding step, of the exit path of a step with exits and of one test of
         each asker's controller after a layer; from `seconds` (name -> seconds over every batch, as
-        `paired_seconds` gives, for at least the names of `functions`)."""
+        `paired_seconds` gives, for at least the names of `functions`). With "full" among them (the full model's
+        whole `generate` calls on the same batches, timed in the same rounds), also `call_fixed`: what those calls
+        took beyond what the parts explain, per sample (none when the parts explain more)."""
         seconds = {name.removeprefix("part cost: "): value for name, value in seconds.items()}
         config, parts = self.config, self.parts
         samples = self.inputs.samples
@@ -418,7 +419,7 @@ class PartCostRuns:
             decoder = max(0.0, seconds["decoder"] - seconds["decoder_shallow"]) / (decoder_layers - shallow) / generated
         decoder_fixed = max(0.0, seconds["decoder"] / generated - decoder_layers * decoder)
         encoder_layer = sum(per_layer.values())
-        return PartCosts(
+        costs = PartCosts(
             encoder_image=per_layer[parts[0]],
             encoder_text=per_layer.get("encoder_text", 0.0),
             decoder=decoder,
@@ -431,30 +432,28 @@ class PartCostRuns:
                 for part in self.encoder_askers
             },
         )
-
-
-def with_call_cost(costs: PartCosts, full_run: TaskRun, full_seconds: float, config, batch_size: int) -> PartCosts:
-    """`costs` with `call_fixed`: what the full model's `full_seconds` over `full_run` (in batches of `batch_size`)
-    took beyond what the parts explain, per sample (none when the parts explain more)."""
-    samples = full_run.encoder_exit_layers.shape[0]
-    tokens = int((batch_deepest(full_run.decoder_exit_layers, batch_size) > 0).sum())  # every row of every step
-    explained = full_depth_cost(costs, samples, tokens, config.encoder_layers, config.decoder_layers)
-    return dataclasses.replace(costs, call_fixed=max(0.0, full_seconds - explained) / samples)
+        if "full" not in seconds:
+            return costs
+        explained = full_depth_cost(costs, samples, generated, encoder_layers, decoder_layers)
+        return dataclasses.replace(costs, call_fixed=max(0.0, seconds["full"] - explained) / samples)
 
 
 def measure_part_costs(
     model,
+    processor,
     inputs: TaskInputs,
     repeats: int = 3,
     samples: int = 32,
     askers: Mapping[str, ExitController] | None = None,
     encoder_askers: Mapping[str, ExitController] | None = None,
 ) -> PartCosts:
-    """`PartCostRuns` on the first `samples` rows of `inputs`, timed alone: costs per row and token are averages,
-    steady long before a whole split (but they move with the machine: `task_benchmark` times them in its own
-    rounds instead)."""
+    """`PartCostRuns` on the first `samples` rows of `inputs`, with the full model's whole calls (`call_fixed`),
+    timed alone: costs per row and token are averages, steady long before a whole split (but they move with the
+    machine: `task_benchmark` times them in its own rounds instead)."""
     runs = PartCostRuns(model, inputs.split_at(samples)[0], askers, encoder_askers)
-    return runs.costs(paired_seconds(runs.functions, len(runs.inputs.batches), repeats, model.device))
+    batches, task = runs.inputs.batches, runs.inputs.task
+    functions = runs.functions | {"full": lambda index: run_batch(model, processor, task, batches[index])}
+    return runs.costs(paired_seconds(functions, len(batches), repeats, model.device))
 
 
 def paired_seconds(
@@ -552,7 +551,7 @@ def task_benchmark(
     seconds = paired_seconds(functions, len(inputs.batches), repeats, model.device, progress)
     runs = {name: TaskRun.concatenate(batches) for name, batches in batch_runs.items()}
     batch_size = inputs.batches[0]["input_ids"].shape[0]
-    costs = with_call_cost(part_runs.costs(seconds), runs["full"], seconds["full"], config, batch_size)
+    costs = part_runs.costs(seconds)  # "full" among them: the call's fixed cost too
     flops = flop_costs(model, inputs)
 
     def reduction(run, part_costs: PartCosts, batch: int = batch_size) -> float:

@@ -340,7 +340,9 @@ def calibrate(
                 )
         timed = inputs if ordering_inputs is None else ordering_inputs
         costs = from_main_process(
-            lambda timed=timed: measure_part_costs(model, timed, askers=askers, encoder_askers=encoder_askers)
+            lambda timed=timed: measure_part_costs(
+                model, processor, timed, askers=askers, encoder_askers=encoder_askers
+            )
         )
         if ordering_inputs is not None:
             _, ordering = sweep(model, processor, ordering_inputs, grid, costs, progress, "ordering the grid on")

@@ -149,20 +149,29 @@ def test_the_bench_times_the_part_costs_in_the_rounds_it_prices(monkeypatch):
     assert report["wall_clock_time_reduction"] == pytest.approx(1 / 3, abs=1e-4)
 
 
-def test_the_call_cost_is_what_the_full_models_seconds_hold_beyond_its_parts():
-    from hf_earlyexit.evaluation import TaskRun
-    from hf_earlyexit.measures import PartCosts, expected_time_reduction
+def test_the_call_cost_is_what_the_full_models_seconds_hold_beyond_its_parts(monkeypatch):
+    """`call_fixed` comes from the full model's whole calls, timed with the parts, in `bench` and in `calibrate`'s
+    `measure_part_costs` alike (calibrate's time reductions left it out)."""
+    from hf_earlyexit.evaluation import task_inputs
+    from hf_earlyexit.loading import EMBEDDED_MODEL_DIR, load_model_and_processor
+    from hf_earlyexit.measures import full_depth_cost
 
-    config = tiny_model(encoder_layers=2, decoder_layers=2).config
-    costs = PartCosts(encoder_image=1, encoder_text=0, decoder=1, encoder_fixed=1, decoder_fixed=1)
-    # 2 samples in one batch of 2; rows of 3 and 1 tokens: the full model ran 3 steps for both rows.
-    decoder = torch.tensor([[2, 2, 2], [2, 0, 0]])
-    full = TaskRun(["a", "b"], torch.full((2, 2), 2), decoder, seconds=0.0)
-    # The parts explain 2 * (2 + 1) + 6 * (2 + 1) = 24 s; the full model took 30 s: 3 s per sample more.
-    with_call = benchmark.with_call_cost(costs, full, 30.0, config, batch_size=2)
-    assert with_call.call_fixed == pytest.approx(3.0)
-    assert benchmark.with_call_cost(costs, full, 20.0, config, batch_size=2).call_fixed == 0
-    # A run that exits after layer 1 everywhere saves 2 of the encoder's and 6 of the decoder's 30 s.
-    early = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    layers = (torch.ones(2, 2, dtype=torch.long), early, with_call, 2, 2, 2)
-    assert expected_time_reduction(*layers) == pytest.approx(8 / 30)
+    model, processor = load_model_and_processor(EMBEDDED_MODEL_DIR)
+    inputs, config = task_inputs("vqa", processor, "test", 4, 2), model.config
+    timed = {"encoder": 10.0, "encoder_image": 4.0, "encoder_text": 7.0, "decoder": 20.0, "decoder_shallow": 8.0}
+    timed["decoder_deep"] = 18.0
+
+    def measured(full: float) -> float:
+        def paired(functions, batches, repeats, device, progress=None):
+            assert "full" in functions  # timed in the same rounds as the parts
+            return {name: {**timed, "full": full}[name.removeprefix("part cost: ")] for name in functions}
+
+        monkeypatch.setattr(benchmark, "paired_seconds", paired)
+        return benchmark.measure_part_costs(model, processor, inputs, repeats=1, samples=4)
+
+    parts = measured(0.0)
+    runs = benchmark.PartCostRuns(model, inputs)
+    tokens = sum(len(batch["input_ids"]) * length for batch, length in zip(inputs.batches, runs.lengths, strict=True))
+    explained = full_depth_cost(parts, 4, tokens, config.encoder_layers, config.decoder_layers)
+    assert parts.call_fixed == 0  # the parts explain more than the calls took
+    assert measured(explained + 4 * 3.0).call_fixed == pytest.approx(3.0)  # 3 s per sample beyond the parts
