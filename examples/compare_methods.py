@@ -43,7 +43,7 @@ from hf_earlyexit.benchmark import task_benchmark
 from hf_earlyexit.calibration import calibration_grid, chosen_report, fastest_for_every_task, pareto_frontier, sweep
 from hf_earlyexit.evaluation import TaskInputs, flop_costs, run_task, score, task_inputs
 from hf_earlyexit.modeling.exit_knobs import SPECULATIVE_KNOBS
-from hf_earlyexit.plots import pyplot, save
+from hf_earlyexit.plots import new_figure, save
 from hf_earlyexit.tasks import MIXTURE, TASKS, training_mixture
 from hf_earlyexit.training import train_exits
 
@@ -417,9 +417,10 @@ def xy(items: list[dict], x: str, y: str) -> tuple[list[float], list[float]]:
 def tradeoff_plots(results: dict[str, list[dict]], tasks: list[str], output_dir: Path) -> list[Path]:
     """One PNG per task, every row on the same axes: quality against the expected time reduction (the first seed's
     validation frontier as a line, each seed's calibrated setting on test as a dot), and against the wall clock."""
-    plt, paths = pyplot(), []
+    paths = []
     for task in tasks:
-        figure, (by_layers, by_clock) = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+        figure = new_figure(figsize=(11, 4.5))
+        by_layers, by_clock = figure.subplots(1, 2, sharey=True)
         for index, (name, seeds) in enumerate(results.items()):
             colour = f"C{index % 10}"
             by_layers.plot(*xy(seeds[0]["validation_frontier"][task], "expected_time_reduction", "quality_ratio"), "-",

@@ -46,8 +46,9 @@ class OperatingPoint:
 
     settings: the `generate` knobs (e.g. {"exit_threshold": 0.9, "encoder_text_exit_threshold": 0.99}).
     quality: the task metric on the calibration split (higher is better).
-    expected_time_reduction: 1 - (cost-weighted layers run) / (the full model's), in [0, 1), batch-aware at the
-        batch size the point was evaluated with (a step costs its deepest row).
+    expected_time_reduction: 1 - (cost-weighted layers run) / (the full model's), below 1 (below 0 where the asks
+        cost more than the layers save), batch-aware at the batch size the point was evaluated with (a step costs its
+        deepest row).
     seconds: measured wall-clock of the split, when timed.
     sample_losses: per sample, a loss in [0, 1] against the full model (the task's `risk_loss`: 1 if the answer
         differs, or a caption's relative CIDEr drop); what Learn then Test controls.

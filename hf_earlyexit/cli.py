@@ -213,9 +213,10 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     for rule in batch_rules:  # before the sweep, not at its first setting
         check_knobs(rule, model.config)
     sweep = (task_list(args.tasks), args.split, args.samples, args.batch_size, args.tolerance, args.delta)
+    tolerance = None if risk is not None else args.tolerance  # a certified choice has no quality line to stay above
     report = calibrate(
         model, processor, *sweep, decoder_thresholds, encoder_thresholds, batch_rules,
-        plot=(lambda sweeps, chosen: tradeoff_plot(sweeps, args.plot, chosen)) if args.plot else None,
+        plot=(lambda sweeps, chosen: tradeoff_plot(sweeps, args.plot, chosen, tolerance)) if args.plot else None,
         progress=not args.quiet,
         risk=risk,
     )  # fmt: skip

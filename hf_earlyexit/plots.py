@@ -1,31 +1,30 @@
 """Pictures of the trade-off: quality against expected time reduction per exit policy (as MuE's Figures 1 and 4),
-and captions with each token coloured by the decoder layer it exited at (as BLIPEE's Figure 3). PNG files via
-matplotlib's non-interactive backend."""
+and captions with each token coloured by the decoder layer it exited at (as BLIPEE's Figure 3). Image files drawn
+with matplotlib's `Figure` alone: no pyplot, so a notebook's backend is left as it is."""
 
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .calibration import OperatingPoint, pareto_frontier
 
-
-def pyplot():
-    """matplotlib's pyplot on the non-interactive backend (files only, no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
-def save(figure, path: str | Path) -> Path:
+def new_figure(**options: Any) -> "Figure":
+    """A matplotlib `Figure` (`figsize=...`), drawn and saved without pyplot or a global backend."""
+    from matplotlib.figure import Figure
+
+    return Figure(**options)
+
+
+def save(figure: "Figure", path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    pyplot().close(figure)
     return path
 
 
@@ -63,11 +62,13 @@ def tradeoff_plot(
     sweeps: dict[str, tuple[OperatingPoint, Sequence[OperatingPoint]]],
     path: str | Path,
     chosen: dict[str, Any] | None = None,
+    tolerance: float | None = None,
 ) -> Path:
     """One panel per task: every swept point as (expected time reduction %, quality % of the full model), the
-    Pareto frontier of each policy family, the full model at (0, 100) and the `chosen` setting circled."""
-    plt = pyplot()
-    figure, axes = plt.subplots(1, len(sweeps), figsize=(5.2 * len(sweeps), 4.2), squeeze=False)
+    Pareto frontier of each policy family, the full model at (0, 100), the `chosen` setting circled and, with a
+    `tolerance` (the quality share a setting may lose), the line it must stay above."""
+    figure = new_figure(figsize=(5.2 * len(sweeps), 4.2))
+    axes = figure.subplots(1, len(sweeps), squeeze=False)
     for axis, (task, (full, points)) in zip(axes[0], sweeps.items(), strict=True):
         families: dict[str, list[OperatingPoint]] = {}
         for point in points:
@@ -95,7 +96,8 @@ def tradeoff_plot(
                         label="chosen",
                     )
         axis.scatter([0], [100], marker="*", s=160, color="black", label="full model")
-        axis.axhline(99, color="grey", linestyle=":", linewidth=1)
+        if tolerance is not None:
+            axis.axhline(100 * (1 - tolerance), color="grey", linestyle=":", linewidth=1, label="tolerance")
         axis.set_title(f"{task} (full model {full.quality:.3f})")
         axis.set_xlabel("expected time reduction (%)")
         axis.set_ylabel("quality (% of the full model)")
@@ -107,22 +109,23 @@ def tradeoff_plot(
 def exit_picture(captions: Sequence[Sequence[tuple[str, int]]], decoder_layers: int, path: str | Path) -> Path:
     """Each caption as a row of its tokens, each on a box coloured by the decoder layer it exited at."""
     import matplotlib
+    from matplotlib.patches import Rectangle
 
-    plt = pyplot()
     colours = matplotlib.colormaps["viridis"].resampled(decoder_layers)
     width = max(sum(max(len(token), 2) + 1 for token, _ in caption) for caption in captions)
-    figure, axis = plt.subplots(figsize=(max(6.0, 0.13 * width), 0.55 * len(captions) + 0.9))
+    figure = new_figure(figsize=(max(6.0, 0.13 * width), 0.55 * len(captions) + 0.9))
+    axis = figure.subplots()
     for row, caption in enumerate(captions):
         x = 0.0
         for token, layer in caption:
             size = max(len(token), 2) + 1
-            axis.add_patch(plt.Rectangle((x, -row - 0.4), size - 0.2, 0.8, color=colours(layer - 1), alpha=0.85))
+            axis.add_patch(Rectangle((x, -row - 0.4), size - 0.2, 0.8, color=colours(layer - 1), alpha=0.85))
             axis.text(x + (size - 0.2) / 2, -row, token, ha="center", va="center", fontsize=8, color="white")
             x += size
     axis.set_xlim(0, width)
     axis.set_ylim(-len(captions) + 0.4, 0.6)
     axis.axis("off")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(layer)) for layer in range(decoder_layers)]
+    handles = [Rectangle((0, 0), 1, 1, color=colours(layer)) for layer in range(decoder_layers)]
     axis.legend(
         handles,
         [f"exit after layer {layer + 1}" for layer in range(decoder_layers)],
@@ -135,4 +138,4 @@ def exit_picture(captions: Sequence[Sequence[tuple[str, int]]], decoder_layers: 
     return save(figure, path)
 
 
-__all__ = ["exit_picture", "policy_of", "tradeoff_plot"]
+__all__ = ["exit_picture", "new_figure", "policy_of", "save", "tradeoff_plot"]
