@@ -17,6 +17,8 @@ from PIL import Image
 from transformers import BartTokenizer, PreTrainedTokenizerBase
 from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
 
+from .loading import open_image
+
 CAPTION_PROMPT = " what does the image describe?"  # OFA's caption prompt
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # ids 0..4, as OFA's BART BPE (bos 0, pad 1, eos 2)
 
@@ -164,7 +166,10 @@ def row_image(value: Any, column: str, row: int) -> Any:
     if isinstance(value, dict) and (value.get("bytes") or value.get("path")):
         value = io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]
     if isinstance(value, (str, os.PathLike, io.BytesIO)):
-        return Image.open(value)
+        try:
+            return open_image(value)
+        except ValueError as error:
+            raise ValueError(f"Column {column!r}, row {row}: {error}") from None
     if isinstance(value, (Image.Image, np.ndarray, torch.Tensor)):
         return value
     raise ValueError(f"Column {column!r}, row {row}: expected an image (PIL, array, tensor or path), got {value!r}.")

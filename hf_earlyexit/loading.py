@@ -1,55 +1,105 @@
 """Loading what the commands work on: images, a saved model with its processor, the processor of a converted
 checkpoint. Every user error is a ValueError that names the path or the mismatch."""
 
+import io
+import json
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 from safetensors import SafetensorError
 
-from .modeling.modeling_ofa import in_exit_head
+from .modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration, in_exit_head
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
-from .publishing import check_model_dir
 
 # The small calibrated model that ships inside the package (what `hf-earlyexit demo` runs).
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "embedded_model"
 # The config fields that shape exit heads' weights; the others (e.g. MuE's `decompose_encoder_modalities`) load any.
 HEAD_SHAPES = ("exit_adapter_dim", "exit_transformer_layers")
+MODEL_TYPE = "ofa_early_exit"
+
+
+def json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the file at `path`; ValueError when it is not JSON or holds something else."""
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not JSON ({error}).") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a {type(value).__name__}, not a JSON object.")
+    return value
+
+
+def check_model_dir(model_dir: Path) -> dict[str, Any]:
+    """The folder's config, or ValueError when it is not an hf-earlyexit model; a generation config that does not
+    read is an error too (Transformers would drop it, and with it the calibrated exits, for the model config's)."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{model_dir} is not a model folder (no config.json).")
+    config = json_object(config_file)
+    if config.get("model_type") != MODEL_TYPE:
+        raise ValueError(
+            f"{model_dir} is not an hf-earlyexit model (model_type {config.get('model_type')!r}, not an hf-earlyexit "
+            f"OFA model's {MODEL_TYPE!r})."
+        )
+    if (model_dir / "generation_config.json").is_file():
+        json_object(model_dir / "generation_config.json")
+    return config
 
 
 def load_image(path: str | Path) -> Image.Image:
-    """The image at `path` as RGB; ValueError when it is absent or not an image."""
+    """The image at `path` as RGB, upright; ValueError when it is absent or not an image."""
+    return open_image(path).convert("RGB")
+
+
+def open_image(source: str | Path | io.BytesIO) -> Image.Image:
+    """The image in a file or bytes, in its own mode, turned upright by its EXIF orientation, as `datasets.Image`
+    decodes it (a phone photo then reads alike whichever way it comes); ValueError when it is absent or not an
+    image."""
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
+        with Image.open(source) as image:
+            return ImageOps.exif_transpose(image)
     except FileNotFoundError:
-        raise ValueError(f"No image at {path}.") from None
+        raise ValueError(f"No image at {source}.") from None
     except (UnidentifiedImageError, OSError) as error:
-        raise ValueError(f"Cannot read {path} as an image ({error}).") from None
+        raise ValueError(f"Cannot read {source} as an image ({error}).") from None
 
 
-def load_model_and_processor(model_dir: str | Path, **config_fields: Any) -> tuple[Any, Any]:
-    """A saved hf-earlyexit model (in eval mode) and its processor; `config_fields` override the config (e.g. to
-    add exit heads). ValueError when `model_dir` is not an hf-earlyexit model folder."""
+def load_model_and_processor(model_dir: str | Path, remote_code: bool = True, **config_fields: Any) -> tuple[Any, Any]:
+    """A saved hf-earlyexit model (in eval mode) and its processor, through `AutoModel` / `AutoProcessor` with the
+    folder's own code (`remote_code`), else this package's classes; `config_fields` override the config (e.g. to
+    add exit heads). ValueError when `model_dir` is not an hf-earlyexit model folder, or its weights, generation
+    config or processor do not read."""
     from transformers import AutoModel, AutoProcessor
     from transformers.utils import logging
 
-    logging.disable_progress_bar()  # the weight-loading bar would break the CLI's one-line errors
+    model_class, processor_class = (AutoModel, AutoProcessor) if remote_code else (
+        EarlyExitOFAForConditionalGeneration, OFAProcessor
+    )  # fmt: skip
     path = Path(model_dir)
     saved = check_model_dir(path)
     for name, value in config_fields.items():  # heads of another shape than the saved ones cannot load their weights
         if name in HEAD_SHAPES and saved.get(name) is not None and saved[name] != value:
             raise ValueError(f"{path} has {name}={saved[name]!r}; it cannot load as {name}={value!r}.")
-    verbosity = logging.get_verbosity()
+    verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
     logging.set_verbosity_error()  # Transformers' table of missing weights: the check below says what matters
+    logging.disable_progress_bar()  # the weight-loading bar would break the CLI's one-line errors
     try:
-        model, loaded = AutoModel.from_pretrained(
+        model, loaded = model_class.from_pretrained(
             path, trust_remote_code=True, output_loading_info=True, **config_fields
         )
+        processor = processor_class.from_pretrained(path, trust_remote_code=True)
     except SafetensorError as error:
         raise ValueError(f"{path}: its weights are not a readable safetensors file ({error}).") from None
+    except OSError as error:  # Transformers' "Can't load ..." (no processor saved), with a Hub address to try
+        raise ValueError(
+            f"{path}: no processor loads from it ({str(error).splitlines()[0]}): save the model's processor "
+            "beside it (`processor.save_pretrained`)."
+        ) from None
     finally:
         logging.set_verbosity(verbosity)
+        if bar:
+            logging.enable_progress_bar()
     missing = sorted(name for name in loaded["missing_keys"] if not in_exit_head(name))  # new heads start as identity
     unexpected = sorted(loaded["unexpected_keys"])
     if missing or unexpected:
@@ -57,7 +107,6 @@ def load_model_and_processor(model_dir: str | Path, **config_fields: Any) -> tup
             f"{path}: the weights do not fit config.json ({len(missing)} missing, e.g. {missing[:2]}; "
             f"{len(unexpected)} unexpected, e.g. {unexpected[:2]}): a config edited apart from its weights?"
         )
-    processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
     return model.eval(), processor
 
 
@@ -74,4 +123,11 @@ def build_processor(tokenizer_dir: str | Path, image_size: int, config: Any) -> 
     return OFAProcessor(OFAImageProcessor(size={"height": image_size, "width": image_size}), tokenizer)
 
 
-__all__ = ["EMBEDDED_MODEL_DIR", "build_processor", "load_image", "load_model_and_processor"]
+__all__ = [
+    "EMBEDDED_MODEL_DIR",
+    "build_processor",
+    "check_model_dir",
+    "load_image",
+    "load_model_and_processor",
+    "open_image",
+]

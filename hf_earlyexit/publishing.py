@@ -21,13 +21,13 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .loading import check_model_dir, load_model_and_processor
 from .model_cards import measured_table, read_benchmark, render_model_card
 from .modeling import EarlyExitOFAForConditionalGeneration
 from .modeling.exit_controllers import FixedLayerExit
-from .modeling.exit_knobs import NO_EXIT
+from .modeling.exit_knobs import NO_EXIT, resolve_knobs
 from .modeling.processing_ofa import OFAProcessor
 
-MODEL_TYPE = "ofa_early_exit"
 # Copied from the model folder when present: the calibration sweep and how the model was trained.
 RECORDS = ("calibration.json", "calibration_speculative.json", "training_recipe.json")
 VALIDATION_IMAGE = "validation_image.png"
@@ -52,25 +52,6 @@ class Published:
 # ---------------------------------------------------------------------------------------------------------------
 # The folder and its validation
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def check_model_dir(model_dir: Path) -> dict[str, Any]:
-    """The folder's config, or ValueError when it is not an hf-earlyexit model."""
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{model_dir} is not a model folder (no config.json).")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{config_file} is not JSON ({error}).") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_file} holds a {type(config).__name__}, not a model config (a JSON object).")
-    if config.get("model_type") != MODEL_TYPE:
-        raise ValueError(
-            f"{model_dir} is not an hf-earlyexit model (model_type {config.get('model_type')!r}, not an hf-earlyexit "
-            f"OFA model's {MODEL_TYPE!r})."
-        )
-    return config
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -114,8 +95,9 @@ def assemble(
     elif not Path(plot).read_bytes().startswith(PNG_SIGNATURE):
         raise ValueError(f"{plot} is not a PNG image: the card shows it as tradeoff.png.")
     # Both read before an earlier assembly is removed: a folder that lacks one fails with that assembly kept.
-    model = EarlyExitOFAForConditionalGeneration.from_pretrained(model_dir)
-    processor = OFAProcessor.from_pretrained(model_dir)
+    # This package's classes, whose code the folder ships; weights checked against the config as every command does.
+    model, processor = load_model_and_processor(model_dir, remote_code=False)
+    resolve_knobs(model.config, model.generation_config)  # saved exit defaults checked before the assembly
     if check_replaceable(output_dir, model_dir):
         shutil.rmtree(output_dir)
     processor.save_pretrained(output_dir)

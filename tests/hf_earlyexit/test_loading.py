@@ -22,6 +22,41 @@ def test_load_image_converts_to_rgb_and_names_a_missing_or_unreadable_file(tmp_p
         load_image(tmp_path / "text.png")
 
 
+def test_an_image_file_reads_upright_as_a_decoded_data_set_image_does(tmp_path):
+    """A phone photo stores its pixels sideways with an EXIF orientation: `datasets.Image` turns it upright; the
+    `caption` command and the collator's paths read it sideways before."""
+    import datasets
+    import numpy as np
+
+    from hf_earlyexit.data import ImageTextCollator
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to view
+    pixels = np.random.default_rng(0).integers(0, 256, (20, 40, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "photo.jpg", exif=exif)
+    decoded = datasets.Dataset.from_dict({"image": [str(tmp_path / "photo.jpg")]}).cast_column(
+        "image", datasets.Image()
+    )
+    assert load_image(tmp_path / "photo.jpg").size == decoded[0]["image"].size == (20, 40)
+    tokenizer = train_tokenizer(["a red circle", "a blue square"], vocab_size=300)
+    processor = OFAProcessor(OFAImageProcessor(size={"height": 32, "width": 32}), tokenizer)
+    collator = ImageTextCollator(processor, text_column=None, target_column="caption")
+    rows = [{"image": image, "caption": "a red circle"} for image in (str(tmp_path / "photo.jpg"), decoded[0]["image"])]
+    pixel_values = collator(rows)["pixel_values"]
+    assert bool((pixel_values[0] == pixel_values[1]).all())
+    with pytest.raises(ValueError, match="Column 'image', row 0: No image at .*gone.jpg"):
+        collator([{"image": str(tmp_path / "gone.jpg"), "caption": "a"}])  # was a bare FileNotFoundError
+
+
+def test_a_model_folder_without_a_processor_or_with_a_broken_generation_config_is_named(tmp_path):
+    tiny_model().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no processor loads from it"):  # was Transformers' Hub advice
+        load_model_and_processor(tmp_path)
+    (tmp_path / "generation_config.json").write_text("{")
+    with pytest.raises(ValueError, match="generation_config.json is not JSON"):  # was dropped with its exits
+        load_model_and_processor(tmp_path)
+
+
 def test_load_model_and_processor_applies_config_fields_and_refuses_other_folders(tmp_path):
     tokenizer = train_tokenizer(["a red circle", "a blue square"], vocab_size=300)
     tiny_model(vocab_size=len(tokenizer)).save_pretrained(tmp_path / "model")

@@ -298,9 +298,34 @@ def test_a_model_folder_without_a_processor_fails_before_an_earlier_assembly_is_
     for path in model_dir.iterdir():  # the weights and records, as `convert` without `--tokenizer` leaves them
         if "token" not in path.name and "processor" not in path.name and path.name not in ("vocab.json", "merges.txt"):
             (bare / path.name).write_bytes(path.read_bytes())
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match="no processor loads from it.*processor.save_pretrained"):
         publish(bare, REPO_ID, output_dir=out, dry_run=True)
     assert (out / "model.safetensors").is_file() and (out / "README.md").is_file()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # A config edited apart from its weights: was published as a truncated model, validated against itself.
+        (lambda folder: patch_json(folder / "config.json", decoder_layers=2), "the weights do not fit config.json"),
+        (lambda folder: (folder / "model.safetensors").write_bytes(b"not safetensors"), "not a readable safetensors"),
+        (lambda folder: (folder / "generation_config.json").write_text("{"), "generation_config.json is not JSON"),
+        (lambda folder: patch_json(folder / "generation_config.json", exit_threshold="abc"), "exit_threshold"),
+    ],
+)
+def test_a_folder_that_does_not_load_as_saved_is_refused_before_the_assembly(model_dir, tmp_path, edit, message):
+    import shutil
+
+    folder = tmp_path / "edited"
+    shutil.copytree(model_dir, folder)
+    edit(folder)
+    with pytest.raises(ValueError, match=message):
+        publish(folder, REPO_ID, output_dir=tmp_path / "out", dry_run=True)
+    assert not (tmp_path / "out").exists()
+
+
+def patch_json(path, **fields) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
 
 
 def test_an_output_folder_holding_the_model_folder_is_refused_before_anything_is_removed(model_dir, tmp_path):
