@@ -82,8 +82,14 @@ def checked_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise ValueError(f"`device` must name a torch device (cpu, cuda, cuda:1, ...), got {name!r}.") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"Device {name}: this machine has no CUDA device.")
+    if device.type == "cpu":
+        return device
+    available = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if available is None or device.type != available.type:
+        have = f"a {available.type} device" if available is not None else "no accelerator"
+        raise ValueError(f"Device {name}: this machine has {have} (and the CPU).")
+    if device.index is not None and device.index >= torch.accelerator.device_count():
+        raise ValueError(f"Device {name}: this machine has {torch.accelerator.device_count()} {device.type} devices.")
     return device
 
 

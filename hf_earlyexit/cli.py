@@ -7,6 +7,7 @@ option) ends in one line on stderr and exit status 2, never a traceback.
 
 import argparse
 import json
+import math
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -50,6 +51,17 @@ def positive_int(text: str) -> int:
     value = int(text) if text.strip().lstrip("+").isdigit() else 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type for rates: a finite number above 0 (inf trained to NaN weights, 0 trained nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
     return value
 
 
@@ -485,7 +497,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--max-steps", type=positive_int, default=1000)
     parser.add_argument("--batch-size", type=positive_int, default=32, help="per process (default 32)")
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--learning-rate", type=positive_float, default=1e-4)
     parser.add_argument(
         "--save-steps", type=positive_int, default=500, help="checkpoint every N steps, the last kept (default 500)"
     )
@@ -498,10 +510,14 @@ def parse_layers(text: str) -> list[int]:
 
 
 def parse_list(text: str, kind: type, message: str) -> list:
+    """Comma-separated values of `kind`; ValueError with `message` on one that does not convert or is blank."""
     try:
-        return [kind(value) for value in text.split(",")]
+        values = [kind(value) for value in text.split(",")]
     except ValueError:
         raise ValueError(f"{message}, got {text!r}.") from None
+    if any(isinstance(value, str) and not value.strip() for value in values):
+        raise ValueError(f"{message}, got {text!r} (a blank item).")
+    return values
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -732,10 +748,23 @@ def cmd_publish(args: argparse.Namespace) -> None:
     print(published.folder if args.dry_run else f"Published {published.url}")
 
 
+def check_no_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """An empty value ('') would read as "not given" (a default, a skipped plot, the embedded model): a ValueError
+    names it, unless the option's help says what '' means there."""
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    for action in commands.choices[args.command]._actions:
+        given = getattr(args, action.dest, None) == "" != action.default
+        if given and "''" not in (action.help or ""):
+            name = action.option_strings[0] if action.option_strings else action.dest.upper()
+            raise ValueError(f"{name} is empty: give a value, or leave it out.")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     datasets.disable_progress_bars()  # the commands show their own progress; map and filter steps are noise
     try:
+        check_no_empty_values(parser, args)
         args.run(args)
     except (ValueError, OSError, PublishError) as error:
         print(f"hf-earlyexit: error: {' '.join(str(error).split())}", file=sys.stderr)  # one line, as promised

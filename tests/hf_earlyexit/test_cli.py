@@ -78,7 +78,7 @@ def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_to
         (lambda d, t: ["caption", str(t), str(t / "not_image.png")], "Cannot read"),
         (lambda d, t: ["caption", str(t), str(t / "ok.png")], "not a model folder"),
         (lambda d, t: ["caption", str(t / "other_model"), str(t / "ok.png")], "not an hf-earlyexit OFA model"),
-        (lambda d, t: ["caption", str(t / "list_config"), str(t / "ok.png")], "holds a list, not a model config"),
+        (lambda d, t: ["caption", str(t / "list_config"), str(t / "ok.png")], "holds a list, not a JSON object"),
         (lambda d, t: ["caption", str(t / "bad_json"), str(t / "ok.png")], "config.json is not JSON"),
         (lambda d, t: ["convert", "--from", str(t / "nowhere"), "--to", str(t / "out")], "No checkpoint"),
         (lambda d, t: ["bench", "--forced-exit", "4", "--preset", "tiny"], "--forced-exit"),
@@ -87,7 +87,10 @@ def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_to
         (lambda d, t: ["bench", "--forced-exit", "1", "--preset", "tiny", "--device", "gpu0"], "torch device"),
         (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--exit-loss", "early"], "exit_loss"),
         (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--target-column", "x"], "no column"),
-        (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--target-column", ""], "no column"),
+        (
+            lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--target-column", ""],
+            "--target-column is empty",
+        ),
         (lambda d, t: [*TRAIN, str(t / "nowhere"), "--output-dir", str(t / "o")], "nowhere"),
         (lambda d, t: [*TRAIN, str(t / "shapes"), "--output-dir", str(t / "o"), "--model-dir", str(t)], "no config"),
         (
@@ -220,6 +223,10 @@ def test_train_refuses_what_it_would_overwrite_or_could_not_load_in_one_line(tmp
     with pytest.raises(SystemExit) as exited:  # a width of 0 is no width, not "no heads"
         main([*TRAIN, shapes, "--output-dir", str(tmp_path / "zero"), "--exit-adapter-dim", "0"])
     assert exited.value.code == 2 and "--exit-adapter-dim" in capsys.readouterr().err
+    for rate in ("inf", "0", "nan"):  # inf trained to NaN weights and 0 trained nothing, each saved as a model
+        with pytest.raises(SystemExit):
+            main([*TRAIN, shapes, "--output-dir", str(tmp_path / "rate"), "--learning-rate", rate])
+        assert f"--learning-rate: must be a finite number above 0, got '{rate}'" in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -478,11 +485,16 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
         ([*NO_THRESHOLDS, "--risk", "0.1"], "Nothing to sweep"),
         (["bench", "{m}", "--forced-exit", "1"], "not both"),
         *(
-            [(["bench", "{m}", "--task", "vqa", "--exit-threshold", "0.5", "--device", "cuda"], "no CUDA device")]
+            [(["bench", "{m}", "--task", "vqa", "--exit-threshold", "0.5", "--device", "cuda"], "has no accelerator")]
             if not torch.cuda.is_available()
             else []
         ),
         (["bench"], "Give a model folder"),
+        (["bench", "{m}", "--task", "vqa", "--device", "meta"], "Device meta: this machine has"),  # was a traceback
+        (["demo", ""], "MODEL_DIR is empty"),  # ran the embedded model
+        (["calibrate", "{m}", "--tasks", "vqa", "--risk", ""], "--risk is empty"),  # ran uncertified
+        (["calibrate", "{m}", "--tasks", "vqa", "--plot", ""], "--plot is empty"),  # skipped the plot
+        (["publish", "{m}", "--repo-id", "u/x", "--dry-run", "--datasets", " , "], "a blank item"),
         (["bench", "--forced-exit", "1", "--training-step"], "give one"),
         (["bench", "--training-step", "--batch-sizes", "1,8"], "one batch size"),
         (["calibrate", "{m}", "--tasks", "vqa", "--plot", "{t}/tradeoff.txt"], "name an image file"),
