@@ -9,12 +9,13 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import datasets
 
 from .data import CAPTION_PROMPT
-from .loading import load_image, load_model_and_processor
+from .loading import check_writable, load_image, load_model_and_processor
 from .modeling.exit_knobs import (
     EXIT_KNOBS,
     EXIT_MODES,
@@ -179,6 +180,8 @@ def load_for_this_process(model_dir: str) -> tuple[Any, Any]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
+    if args.write:  # checked before the sweep, whose result a folder it cannot write into would lose
+        check_writable(Path(args.model_dir), "--write into")
     if args.exit_mode == "speculative":
         calibrate_drafts(args)
         return
@@ -770,7 +773,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-earlyexit: error: {' '.join(str(error).split())}", file=sys.stderr)  # one line, as promised
         return 2
     except KeyboardInterrupt:
-        print("\nhf-earlyexit: interrupted (a stopped `train` continues with --resume)", file=sys.stderr)
+        resumable = args.command == "train" and any(Path(args.output_dir).glob("checkpoint-*"))
+        print(f"\nhf-earlyexit: interrupted{' (continue with --resume)' if resumable else ''}", file=sys.stderr)
         return 130
     return 0
 

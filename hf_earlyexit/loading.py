@@ -3,6 +3,7 @@ checkpoint. Every user error is a ValueError that names the path or the mismatch
 
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,19 @@ def json_object(path: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{path} holds a {type(value).__name__}, not a JSON object.")
     return value
+
+
+def check_writable(target: Path, option: str) -> None:
+    """ValueError, naming the `option` that gave `target`, unless this process can write `target` (a file, or a
+    folder's files): it exists and is writable, or the first folder above it that exists is. Checked before long
+    work, whose result a bad path would lose."""
+    folder = target.absolute()
+    while not folder.exists():  # what writes there makes the missing folders in the first one that exists
+        folder = folder.parent
+    if folder != target.absolute() and not folder.is_dir():
+        raise ValueError(f"{option} {target}: {folder} is not a folder.")
+    if not os.access(folder, os.W_OK | (os.X_OK if folder.is_dir() else 0)):
+        raise ValueError(f"{option} {target}: this process cannot write into {folder}.")
 
 
 def check_model_dir(model_dir: Path) -> dict[str, Any]:

@@ -2,12 +2,12 @@
 and captions with each token coloured by the decoder layer it exited at (as BLIPEE's Figure 3). Image files drawn
 with matplotlib's `Figure` alone: no pyplot, so a notebook's backend is left as it is."""
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .calibration import OperatingPoint, pareto_frontier
+from .loading import check_writable
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -50,12 +50,7 @@ def check_plot_path(path: str | Path, option: str = "--plot") -> None:
     target = Path(path)
     if target.suffix.lstrip(".").lower() not in kinds or target.is_dir():
         raise ValueError(f"{option} {path}: name an image file, one of {sorted(kinds)} (e.g. tradeoff.png).")
-    folder = target.absolute().parent
-    while not folder.exists():  # `save` makes the missing folders in the first one that exists
-        folder = folder.parent
-    writable = os.access(target, os.W_OK) if target.exists() else os.access(folder, os.W_OK | os.X_OK)
-    if not folder.is_dir() or not writable:
-        raise ValueError(f"{option} {path}: {folder} is not a folder this process can write the picture into.")
+    check_writable(target, option)
 
 
 def tradeoff_plot(

@@ -12,10 +12,10 @@ from typing import Any
 import datasets
 import torch
 from safetensors import safe_open
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .data import CAPTION_PROMPT, ImageTextCollator, easy_vqa, load_image_text_dataset, row_text, train_tokenizer
-from .loading import load_model_and_processor
+from .loading import check_writable, load_model_and_processor
 from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from .modeling.modeling_ofa import in_exit_head
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
@@ -155,17 +155,18 @@ def check_output_dir(output_dir: Path) -> None:
             f"{output_dir} is not an empty folder: train into a new one, or --resume a stopped run's last checkpoint "
             "there (nothing was overwritten)."
         )
+    check_writable(output_dir, "--output-dir")  # before the training, whose checkpoints and model go there
 
 
 def check_resumable(checkpoint: Path, model: Any, max_steps: int) -> None:
-    """A stopped run continues with the model it trained and more steps than it took. ValueError otherwise: the
-    Trainer would fail to load another model's weights (or optimizer), or end at once and the checkpoint be gone."""
-    state = checkpoint / "trainer_state.json"
-    step = json.loads(state.read_text())["global_step"] if state.is_file() else 0
-    if step >= max_steps:
+    """A stopped run continues with the model it trained and at least the steps it took (exactly those: a run
+    stopped after its last checkpoint, which then becomes the saved model). ValueError otherwise: the Trainer would
+    fail to load another model's weights (or optimizer), or save a model trained longer than asked."""
+    step = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+    if step > max_steps:
         raise ValueError(
-            f"{checkpoint} stopped at step {step}: --max-steps {max_steps} leaves nothing to train; give the stopped "
-            "run's --max-steps (or more) to continue it."
+            f"{checkpoint} stopped at step {step}, past --max-steps {max_steps}: give the stopped run's --max-steps "
+            "(or more) to continue it."
         )
     saved = saved_shapes(checkpoint)
     own = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
@@ -190,11 +191,17 @@ def saved_shapes(folder: Path) -> dict[str, list[int]]:
 
 
 def last_checkpoint(output_dir: Path) -> str:
-    """The last checkpoint a stopped run left in `output_dir`; ValueError when there is none."""
-    checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
-    if checkpoint is None:
-        raise ValueError(f"{output_dir} holds no checkpoint of a stopped run to resume from.")
-    return checkpoint
+    """The last complete checkpoint a stopped run left in `output_dir` (its `trainer_state.json`, written last, is
+    there: a run stopped while saving leaves a newer one without it); ValueError when there is none."""
+    folders = output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if output_dir.is_dir() else []
+    steps = {
+        folder: int(folder.name.rsplit("-", 1)[1])
+        for folder in folders
+        if folder.name.rsplit("-", 1)[1].isdigit() and (folder / "trainer_state.json").is_file()
+    }
+    if not steps:
+        raise ValueError(f"{output_dir} holds no complete checkpoint of a stopped run to resume from.")
+    return str(max(steps, key=steps.get))
 
 
 __all__ = ["SMALL_OFA", "fine_tune", "small_model_and_processor", "train_exits"]

@@ -168,6 +168,7 @@ def test_train_saves_a_model_that_loads_with_its_exit_heads(tmp_path, capsys, ex
 
 
 def test_a_stopped_train_run_resumes_from_its_last_checkpoint(tmp_path, capsys, monkeypatch):
+    from safetensors.torch import load_file
     from transformers import AutoModel
 
     from hf_earlyexit import EarlyExitTrainer
@@ -189,17 +190,24 @@ def test_a_stopped_train_run_resumes_from_its_last_checkpoint(tmp_path, capsys, 
     assert [path.name for path in (tmp_path / "run").iterdir()] == ["checkpoint-2"]  # the last one kept
     capsys.readouterr()
     assert main(argv) == 2 and "--resume" in capsys.readouterr().err  # never over the stopped run
-    assert main([*argv, "--resume"]) == 2  # its 2 steps are done: nothing to train, and the checkpoint stays
-    assert "stopped at step 2: --max-steps 2 leaves nothing to train" in capsys.readouterr().err
-    argv[argv.index("--max-steps") + 1] = "3"
+    steps = argv.index("--max-steps") + 1
+    argv[steps] = "1"
+    assert main([*argv, "--resume"]) == 2  # it would save a model trained longer than asked; the checkpoint stays
+    assert "stopped at step 2, past --max-steps 1" in capsys.readouterr().err
+    argv[steps] = "3"
     heads = ["--exit-adapter-dim", "8", "--exit-loss", "deep_supervision"]  # not the model the run trained
     assert main([*argv, *heads, "--resume"]) == 2
     assert "holds another model's weights" in capsys.readouterr().err
     assert [path.name for path in (tmp_path / "run").iterdir()] == ["checkpoint-2"]
+    (tmp_path / "run" / "checkpoint-3").mkdir()  # a run stopped while saving: skipped for the last complete one
+    trained = load_file(tmp_path / "run" / "checkpoint-2" / "model.safetensors")
+    argv[steps] = "2"  # its 2 steps are done (it stopped before saving the model): resuming saves that model
     assert main([*argv, "--resume"]) == 0
     assert not list((tmp_path / "run").glob("checkpoint-*"))  # the saved model replaces the checkpoints
+    saved = load_file(tmp_path / "run" / "model.safetensors")
+    assert all(torch.equal(saved[name], tensor) for name, tensor in trained.items())
     assert AutoModel.from_pretrained(tmp_path / "run", trust_remote_code=True).config.decoder_layers > 0
-    assert main([*argv, "--resume"]) == 2 and "no checkpoint" in capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 2 and "no complete checkpoint" in capsys.readouterr().err
 
 
 def test_train_refuses_what_it_would_overwrite_or_could_not_load_in_one_line(tmp_path, capsys):
@@ -541,7 +549,7 @@ def test_task_command_errors_are_one_line(task_model_dir, tmp_path, capsys, argv
     assert len(err.strip().splitlines()) == 1
 
 
-def test_an_error_of_several_lines_is_printed_as_one_and_an_interrupt_says_how_to_go_on(capsys, monkeypatch):
+def test_an_error_of_several_lines_is_printed_as_one_and_an_interrupt_says_how_to_go_on(capsys, monkeypatch, tmp_path):
     from hf_earlyexit import cli
 
     def fails(args):
@@ -552,11 +560,15 @@ def test_an_error_of_several_lines_is_printed_as_one_and_an_interrupt_says_how_t
 
     for run, status, said in (
         (fails, 2, "hf-earlyexit: error: first line second line\n"),
-        (interrupted, 130, "--resume"),
+        (interrupted, 130, "hf-earlyexit: interrupted\n"),  # nothing to resume (it said --resume to every command)
     ):
         monkeypatch.setattr(cli, "cmd_caption", run)
         assert main(["caption", "model", "image.png"]) == status
-        assert said in capsys.readouterr().err
+        assert capsys.readouterr().err.endswith(said)
+    (tmp_path / "run" / "checkpoint-5").mkdir(parents=True)
+    monkeypatch.setattr(cli, "cmd_train", interrupted)
+    assert main(["train", "--output-dir", str(tmp_path / "run")]) == 130
+    assert "interrupted (continue with --resume)" in capsys.readouterr().err
 
 
 def test_demo_uses_the_embedded_model_and_shows_exit_layers_and_savings(tmp_path, capsys):

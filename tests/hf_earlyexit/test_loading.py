@@ -88,3 +88,15 @@ def test_build_processor_checks_the_vocabulary(bart_tokenizer_dir):
 
 def test_the_embedded_model_folder_ships_with_the_package():
     assert (EMBEDDED_MODEL_DIR / "config.json").is_file()
+
+
+def test_check_writable_names_the_option_and_the_place_before_any_work(tmp_path, monkeypatch):
+    from hf_earlyexit.loading import check_writable
+
+    check_writable(tmp_path / "new" / "deeper", "--output-dir")  # made later, in a folder this process can write
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="--output-dir .*file/run: .*file is not a folder"):
+        check_writable(tmp_path / "file" / "run", "--output-dir")
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # a read-only folder (root can write anywhere)
+    with pytest.raises(ValueError, match=f"--write into {tmp_path}: this process cannot write into {tmp_path}"):
+        check_writable(tmp_path, "--write into")
