@@ -94,34 +94,47 @@ def assemble(
         raise ValueError(f"No plot at {plot}.")
     elif not Path(plot).read_bytes().startswith(PNG_SIGNATURE):
         raise ValueError(f"{plot} is not a PNG image: the card shows it as tradeoff.png.")
-    # Both read before an earlier assembly is removed: a folder that lacks one fails with that assembly kept.
     # This package's classes, whose code the folder ships; weights checked against the config as every command does.
     model, processor = load_model_and_processor(model_dir, remote_code=False)
     resolve_knobs(model.config, model.generation_config)  # saved exit defaults checked before the assembly
-    if check_replaceable(output_dir, model_dir):
-        shutil.rmtree(output_dir)
-    processor.save_pretrained(output_dir)
-    model.save_pretrained(output_dir)  # safetensors, config (auto_map) and the remote-code files
+    replacing = check_replaceable(output_dir, model_dir)
+    # Assembled beside `output_dir` and moved into place once whole: an earlier assembly stays until then, and a
+    # stopped run leaves only this staging folder, which the next run clears.
+    staging = output_dir.with_name(f".{output_dir.name}.assembling")
+    if staging.exists():
+        shutil.rmtree(staging)
+    processor.save_pretrained(staging)
+    model.save_pretrained(staging)  # safetensors, config (auto_map) and the remote-code files
     for name in RECORDS:
         if (model_dir / name).is_file():
-            shutil.copy(model_dir / name, output_dir / name)
-    (output_dir / "benchmark.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+            shutil.copy(model_dir / name, staging / name)
+    (staging / "benchmark.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     if plot is not None:
-        shutil.copy(plot, output_dir / "tradeoff.png")
-    recipe_file, calibration_file = output_dir / "training_recipe.json", output_dir / "calibration.json"
+        shutil.copy(plot, staging / "tradeoff.png")
+    write_card(staging, model, config, records, repo_id, plot is not None, card_fields)
+    (staging / ASSEMBLY_MANIFEST).write_text("".join(f"{path.name}\n" for path in sorted(staging.iterdir())))
+    if replacing:
+        shutil.rmtree(output_dir)
+    staging.rename(output_dir)
+    return output_dir
+
+
+def write_card(
+    folder: Path, model, config: dict, records: list[dict], repo_id: str, plot: bool, card_fields: dict[str, Any]
+) -> None:
+    """The model card, README.md, of an assembled `folder` from its records and the model's saved defaults."""
+    recipe_file, calibration_file = folder / "training_recipe.json", folder / "calibration.json"
     card = render_model_card(
         repo_id,
         config,
         model.generation_config.to_dict(),
         measured_table(records, model.generation_config.to_dict()),
         recipe=json.loads(recipe_file.read_text()) if recipe_file.is_file() else None,
-        plot="tradeoff.png" if plot is not None else None,
+        plot="tradeoff.png" if plot else None,
         calibration=json.loads(calibration_file.read_text()) if calibration_file.is_file() else None,
         **card_fields,
     )
-    (output_dir / "README.md").write_text(card)
-    (output_dir / ASSEMBLY_MANIFEST).write_text("".join(f"{path.name}\n" for path in sorted(output_dir.iterdir())))
-    return output_dir
+    (folder / "README.md").write_text(card)
 
 
 # What `assemble` wrote, so that a later run replaces exactly that and nothing a user put beside it.

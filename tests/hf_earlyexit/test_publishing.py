@@ -8,6 +8,7 @@ from unittest import mock
 
 import pytest
 from huggingface_hub import ModelCard
+from PIL import Image
 
 import hf_earlyexit
 from hf_earlyexit import publishing
@@ -371,3 +372,25 @@ def test_cli_dry_run_prints_the_folder_and_errors_are_one_line(model_dir, tmp_pa
         error = capsys.readouterr().err
         assert error.count("\n") == 1 and message in error, error
     assert os.listdir(tmp_path) == ["ofa-ee-tiny"]
+
+
+def test_a_stopped_assembly_keeps_the_earlier_one_and_the_next_run_clears_it(
+    model_dir, tmp_path, no_validation, monkeypatch
+):
+    out, plot = tmp_path / "out", tmp_path / "plot.png"
+    Image.new("RGB", (4, 4)).save(plot)
+    publish(model_dir, REPO_ID, output_dir=out, dry_run=True, plot=plot)
+    plot.unlink()
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C halfway: it removed the earlier assembly and left one its next run refused
+
+    with monkeypatch.context() as patched:
+        patched.setattr(publishing, "write_card", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            publish(model_dir, REPO_ID, output_dir=out, dry_run=True)
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    publish(model_dir, REPO_ID, output_dir=out, dry_run=True, plot=out / "tradeoff.png")  # a plot in the old one
+    assert (out / "tradeoff.png").read_bytes() == before["tradeoff.png"]
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".")] == []
