@@ -77,9 +77,13 @@ def test_entailment_accuracy_overall_and_per_label():
         entailment.compute(predictions=["yes"], references=[" \t"])
 
 
-def test_an_empty_vqa_reference_is_refused():
+def test_an_empty_vqa_reference_is_refused_and_one_that_normalises_to_nothing_is_scored():
+    vqa = metrics.load("vqa_accuracy")
     with pytest.raises(ValueError, match="none of them empty"):
-        metrics.load("vqa_accuracy").compute(predictions=[""], references=[[""]])
+        vqa.compute(predictions=[""], references=[[""]])
+    # VQA v2 holds the answer "a" (a letter), an article to the normalisation: one such answer stopped the run.
+    assert vqa.compute(predictions=["a"], references=[["b"] * 9 + ["a"]])["accuracy"] == pytest.approx(0.3)
+    assert vqa.compute(predictions=["b"], references=[["b"] * 9 + ["a"]])["accuracy"] == 1.0
 
 
 def test_unknown_metric_raises():

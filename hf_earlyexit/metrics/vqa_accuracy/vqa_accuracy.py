@@ -1,7 +1,10 @@
 """VQA accuracy (Antol et al.): an answer scores the mean, over the question's references left out one at a time, of
-min(1, #other references equal to it / 3), after the VQA normalisation (lower case, punctuation, apostrophes, articles
-and number words). With 10 references (VQA v2) this is the official evaluation; with fewer, the divisor is at most the
-others' count (2 references: agreeing with the other one scores 1); with one (easy-VQA) it is exact match."""
+min(1, #other references equal to it / 3), after a normalisation (lower case; digit grouping commas, punctuation and
+apostrophes dropped; articles dropped; number words as digits). With 10 references (VQA v2) this is the official
+formula, but not quite the official script's normalisation, which keeps %, $, :, & and * and maps a list of
+contractions: "50%" and "50" agree here, not there, so VQA v2 scores may come out a little higher. With fewer
+references the divisor is at most the others' count (2 references: agreeing with the other one scores 1); with one
+(easy-VQA) it is exact match."""
 
 import re
 
@@ -55,7 +58,8 @@ class VqaAccuracy(evaluate.Metric):
             raise ValueError("No predictions to score: an accuracy needs at least one question.")
         scores = []
         for prediction, answers in zip(predictions, references, strict=True):
-            if not answers or not all(normalize(answer) for answer in answers):
+            # An answer that normalises to nothing ("a", an article) is still an answer; an empty one is no answer.
+            if not answers or not all(answer.strip() for answer in answers):
                 raise ValueError("Every question needs at least one reference answer, and none of them empty.")
             scores.append(leave_one_out_score(normalize(prediction), [normalize(answer) for answer in answers]))
         return {"accuracy": sum(scores) / len(scores) if scores else 0.0}
