@@ -3,6 +3,7 @@ trains exits on any image-text data set by column names, and the run behind `hf-
 `examples/` (their options: `hf_earlyexit.cli.add_training_arguments`)."""
 
 import argparse
+import copy
 import json
 import shutil
 from collections.abc import Iterable
@@ -75,6 +76,7 @@ def train_exits(
     for column in (text_column, target_column):
         if column:
             check_texts(train_dataset[column], column, lists=column == target_column)
+    args = copy.copy(args)  # the caller's arguments stay as given
     args.remove_unused_columns = False  # the collator reads the raw image and text columns
     collator = ImageTextCollator(processor, image_column, text_column, target_column, prompt, labels=labels)
     trainer = EarlyExitTrainer(
@@ -108,6 +110,7 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
             "give --text-column '' with --prompt, or drop --prompt."
         )
     columns = (options.image_column, text_column, options.target_column)
+    prompt = CAPTION_PROMPT if options.prompt is None else options.prompt
     output_dir, checkpoint = Path(options.output_dir), None
     if options.resume:
         checkpoint = last_checkpoint(output_dir)
@@ -120,8 +123,7 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     if options.model_dir:
         model, processor = load_model_and_processor(options.model_dir, **config_fields)
     else:
-        texts = [text for column in columns[1:] if column for text in dataset[column] if isinstance(text, str)]
-        model, processor = small_model_and_processor(texts, **config_fields)
+        model, processor = small_model_and_processor(tokenizer_texts(dataset, *columns[1:], prompt), **config_fields)
     # Without an accelerator the processes of `accelerate launch` form a data-parallel group only on the CPU backend.
     training_arguments.setdefault("use_cpu", not torch.accelerator.is_available())
     args = EarlyExitTrainingArguments(
@@ -138,13 +140,22 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     )
     if checkpoint is not None:
         check_resumable(Path(checkpoint), model, options.max_steps)
-    prompt = CAPTION_PROMPT if options.prompt is None else options.prompt
     trainer = train_exits(model, processor, dataset, args, *columns, prompt=prompt, resume_from_checkpoint=checkpoint)
     trainer.save_model()
     if trainer.is_world_process_zero():
         for folder in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
             shutil.rmtree(folder)
     return trainer
+
+
+def tokenizer_texts(dataset: Any, text_column: str | None, target_column: str, prompt: str) -> list[str]:
+    """What a new model's tokenizer learns from: the prompts (the one `prompt` without a text column) and every
+    target, each of a list of references too."""
+    texts = [] if text_column else [prompt]
+    for column in (text_column, target_column):
+        for value in dataset[column] if column else []:
+            texts += value if isinstance(value, (list, tuple)) else [value]
+    return [text for text in texts if isinstance(text, str)]
 
 
 def check_output_dir(output_dir: Path) -> None:
