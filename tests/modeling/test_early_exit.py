@@ -908,6 +908,7 @@ def test_a_model_config_knob_the_generation_config_outranks_is_said_once(monkeyp
         (dict(exit_threshold=0.9, exit_policy="entropic"), "exit_policy"),
         (dict(exit_threshold=0.9, exit_threshold_schedule="cosine"), "exit_threshold_schedule"),
         (dict(exit_threshold=2.5, exit_policy="patience"), "layer count"),
+        (dict(exit_threshold=100, exit_policy="patience"), "so it would never exit"),  # was accepted, never exiting
         (dict(kv_strategy="share"), "kv_strategy"),
         (dict(min_exit_layer=0), "min_exit_layer"),
         (dict(min_exit_layer=DEPTH + 1), "min_exit_layer"),
