@@ -147,6 +147,8 @@ def check_replaceable(output_dir: Path, model_dir: Path) -> bool:
     output, source = output_dir.resolve(), model_dir.resolve()
     if output == source or output in source.parents or source in output.parents:
         raise ValueError(f"The output folder {output_dir} must not be, hold or lie in the model folder {model_dir}.")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"The output folder {output_dir} is a file: give a folder to assemble into.")
     if not output_dir.exists() or not any(output_dir.iterdir()):
         return False
     manifest = output_dir / ASSEMBLY_MANIFEST

@@ -325,6 +325,12 @@ def test_a_folder_that_does_not_load_as_saved_is_refused_before_the_assembly(mod
     assert not (tmp_path / "out").exists()
 
 
+def test_an_output_folder_that_is_a_file_is_named(model_dir, tmp_path):
+    (tmp_path / "out").write_text("")
+    with pytest.raises(ValueError, match="The output folder .*out is a file"):  # was "[Errno 20] Not a directory"
+        publish(model_dir, REPO_ID, output_dir=tmp_path / "out", dry_run=True)
+
+
 def patch_json(path, **fields) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
 
