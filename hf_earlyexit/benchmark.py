@@ -4,7 +4,7 @@
 the full model, the same model made to exit after K layers (`FixedLayerExit`), and a model that simply *has* K
 layers (truncated). The truncated model is the ideal: no early-exit implementation can beat a model without the
 skipped layers, so `realized_over_ideal = truncated time / early-exit time` says how much of the saving the exit
-machinery delivers (1.0 = all of it). The layer-count ratio K / L is reported beside it; it overstates the ideal,
+machinery delivers (1.0 = all of it). The layer-count speedup L / K is reported beside it; it overstates the ideal,
 because the embeddings, the final LayerNorm and the output projection (59k words) run whatever the depth.
 At batch > 1 it also times scattered exits (`exit_patterns`) under each `row_exit` plan, each beside the full model
 and its floor (every row stopping at the step's deepest exit: what no plan can beat when a layer costs the same for

@@ -46,8 +46,9 @@ INDEX_BUFFERS = (
     "decoder.image_position_idx",
 )
 TIED_KEYS = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "decoder.output_projection.weight")
-# Fields of the official port's config.json that configure nothing in the architecture: generation settings
-# (they belong in generation_config.json) and transformers-4 bookkeeping.
+# Fields of the official port's config.json that configure nothing in the architecture, dropped: generation settings
+# (the port's beams and lengths; our generation config keeps the exit defaults, and a call gives its own decoding)
+# and transformers-4 bookkeeping.
 IGNORED_PORT_FIELDS = {
     "_name_or_path",
     "add_cross_attention",
@@ -296,8 +297,8 @@ def convert_checkpoint(
 ) -> EarlyExitOFAForConditionalGeneration:
     """Convert an official OFA checkpoint at `source` and save it (safetensors + remote code) to `target`, a new or
     empty folder; with `tokenizer_dir`, the processor too (`build_processor`, square `image_size` images), checked
-    against the vocabulary before anything is written. `progress`: each stage is announced on stderr once the
-    checkpoint has been read."""
+    against the vocabulary before anything is written. `progress`: one line on stderr once the checkpoint has been
+    read, before converting and saving."""
     check_new_folder(target, source)
     if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
         raise ValueError(f"No tokenizer folder at {tokenizer_dir}.")

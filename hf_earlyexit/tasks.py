@@ -42,8 +42,8 @@ class Task:
     risk_loss: LossKind = "binary"
 
     def dataset(self, split: str, size: int | None = None) -> datasets.Dataset:
-        """The split's rows (the first `size` of a fixed shuffle when given; all, when the split has fewer), with
-        columns `image`, `prompt`, `target` and `task`."""
+        """The split's rows, with columns `image`, `prompt`, `target` and `task`: with `size`, the first `size` of a
+        fixed shuffle (all, when an easy-VQA split has fewer; captions' scenes are generated, as many as asked)."""
         if split not in SPLITS:
             raise ValueError(f"Splits are {list(SPLITS)}, got {split!r}.")
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):

@@ -16,6 +16,7 @@ Args:
     predictions: one caption per image.
     references: the reference captions of each image.
     meteor: run METEOR (starts a Java process, about 9 s the first time); default True.
+    per_sample: also "CIDEr_per_sample", each image's CIDEr (None for a single image); default False.
 Returns:
     "BLEU-1".."BLEU-4", "METEOR" (None when not run), "ROUGE-L", "CIDEr" (None for a single image, with
     "CIDEr_unavailable" saying why), and "SPICE": None with "SPICE_unavailable" saying why. Texts go through the
