@@ -103,7 +103,7 @@ def settings_key(settings: dict[str, Any]) -> str:
     return json.dumps(settings, sort_keys=True)
 
 
-def test_order(points: Sequence[OperatingPoint], ordering: Sequence[OperatingPoint]) -> list[OperatingPoint]:
+def fixed_sequence(points: Sequence[OperatingPoint], ordering: Sequence[OperatingPoint]) -> list[OperatingPoint]:
     """`points` from the least to the most aggressive by the expected time reduction of the same settings in
     `ordering` (measured on other samples); ValueError when `ordering` lacks a setting or a point lacks losses."""
     reductions = {settings_key(point.settings): point.expected_time_reduction for point in ordering}
@@ -123,11 +123,11 @@ def learn_then_test(
     loss: LossKind = "binary",
 ) -> list[tuple[OperatingPoint, float]]:
     """Learn then Test: fixed-sequence testing of `points` (per-sample losses of kind `loss` on the tested samples)
-    from the least to the most aggressive, by the expected time reductions of `ordering` (`test_order`). Returns the
+    from the least to the most aggressive, by the expected time reductions of `ordering` (`fixed_sequence`). Returns the
     certified points with their p-values: with probability at least 1 - delta over the tested samples, every one of
     them has expected loss at most `risk_level` on new data from the same distribution. Empty when even the first
     setting fails."""
-    ordered = test_order(points, ordering)
+    ordered = fixed_sequence(points, ordering)
     p_values = fixed_sequence_test([point.sample_losses for point in ordered], risk_level, delta, loss)
     return list(zip(ordered, p_values, strict=False))  # the certified prefix
 
@@ -385,7 +385,7 @@ def certified_for_every_task(
     certificates = {}
     for name, pairs in certified.items():
         ordering, ordering_samples = orderings[name]
-        ordered = test_order(sweeps[name][1], ordering)
+        ordered = fixed_sequence(sweeps[name][1], ordering)
         certificates[name] = certificate_report(
             get_task(name).risk_loss, ordered, pairs, chosen, levels[name], delta, ordering_samples
         )
