@@ -23,7 +23,7 @@ CAPTION_PROMPT = " what does the image describe?"  # OFA's caption prompt
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # ids 0..4, as OFA's BART BPE (bos 0, pad 1, eos 2)
 
 
-def easy_vqa_split(split: str) -> tuple[list[str], list[str], list[int], dict[int, str]]:
+def easy_vqa_package_split(split: str) -> tuple[list[str], list[str], list[int], dict[int, str]]:
     """The raw easy-VQA split (the `easy-vqa` package): questions, answers, image ids and each image's PNG path."""
     import easy_vqa as source
 
@@ -42,7 +42,7 @@ def easy_vqa(split: str = "train") -> datasets.Dataset:
     """easy-VQA (Victor Zhou, MIT): 64x64 images of one coloured shape, with questions about its shape, colour or
     presence and 13 answers. Columns: `image` (PIL), `question`, `answer`, `image_id`. Splits "train" (38,575
     questions on 4,000 images) and "test" (9,673 on 1,000)."""
-    questions, answers, image_ids, paths = easy_vqa_split(split)
+    questions, answers, image_ids, paths = easy_vqa_package_split(split)
     table = {
         "image": [paths[image_id] for image_id in image_ids],
         "question": questions,
@@ -63,7 +63,7 @@ def easy_vqa_captions(split: str = "train") -> datasets.Dataset:
 
 def easy_vqa_caption_table(split: str) -> dict[str, list]:
     """`easy_vqa_captions` as columns, with image paths."""
-    questions, answers, image_ids, paths = easy_vqa_split(split)
+    questions, answers, image_ids, paths = easy_vqa_package_split(split)
     colours: dict[int, str] = {}
     shapes: dict[int, str] = {}
     for question, answer, image_id in zip(questions, answers, image_ids, strict=True):
