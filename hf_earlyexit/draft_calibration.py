@@ -39,7 +39,8 @@ class DraftingPoint:
 
     settings: `generate` kwargs (`draft_exit_policy`, `draft_exit_threshold`, `num_assistant_tokens`).
     seconds / full_seconds: the split's wall clock in speculative mode and the full model's, paired per batch.
-    tokens: the tokens generated. same_outputs: whether every output is the full model's (it must be).
+    tokens / full_tokens: the tokens it and the full model generated. same_outputs: whether every output is the full
+        model's (it must be).
     drafted / accepted / rounds: speculative mode's statistics, summed over the samples.
     """
 
@@ -47,6 +48,7 @@ class DraftingPoint:
     seconds: float
     full_seconds: float
     tokens: int
+    full_tokens: int
     same_outputs: bool
     drafted: int
     accepted: int
@@ -64,7 +66,7 @@ class DraftingPoint:
             "tokens_per_second": round(self.tokens / self.seconds, 2),
             "same_outputs_as_full": self.same_outputs,
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
-            "tokens_per_round": round(self.tokens / max(self.rounds, 1), 3),
+            "tokens_per_round": round(self.tokens / self.rounds, 3) if self.rounds else None,
         }
 
 
@@ -137,6 +139,7 @@ def time_drafts(
             seconds=seconds[name],
             full_seconds=seconds["full"],
             tokens=run.tokens,
+            full_tokens=full.tokens,
             same_outputs=run.predictions == full.predictions,
             drafted=run.drafted,
             accepted=run.accepted,
@@ -355,10 +358,10 @@ def calibrate_drafts(
     timings = {}
     for name in tasks:
         timings[name] = time_drafts(model, processor, inputs[name], grid, repeats, progress, vocabulary)
-        full = timings[name][0]
+        first = timings[name][0]  # every point carries the full model's run, timed beside it
         report["tasks"][name] = {
-            "full_seconds": round(full.full_seconds, 4),
-            "full_tokens_per_second": round(full.tokens / full.full_seconds, 2),
+            "full_seconds": round(first.full_seconds, 4),
+            "full_tokens_per_second": round(first.full_tokens / first.full_seconds, 2),
             "points": [point.report() for point in sorted(timings[name], key=lambda p: -p.speedup)],
         }
     chosen = fastest_drafts(timings)

@@ -1,6 +1,7 @@
 """Choosing speculative mode's drafts by the clock: the choice rule on synthetic timings, the grid, the run on a
 tiny model and the saved defaults."""
 
+import dataclasses
 import json
 
 import pytest
@@ -25,7 +26,9 @@ from tests.hf_earlyexit.test_evaluation import task_setup
 
 def point(threshold: float, seconds: float, same: bool = True, k: int = 4) -> DraftingPoint:
     settings = {"draft_exit_policy": "confidence", "draft_exit_threshold": threshold, "num_assistant_tokens": k}
-    return DraftingPoint(settings, seconds, 10.0, tokens=100, same_outputs=same, drafted=80, accepted=60, rounds=30)
+    return DraftingPoint(
+        settings, seconds, 10.0, tokens=100, full_tokens=100, same_outputs=same, drafted=80, accepted=60, rounds=30
+    )
 
 
 def test_the_fastest_setting_on_every_task_that_never_loses_to_the_full_model():
@@ -88,6 +91,8 @@ def test_a_points_report_counts_per_round_and_against_the_full_model():
     report = point(0.2, 5.0).report()
     assert report["speedup_over_full"] == 2.0 and report["tokens_per_second"] == 20.0
     assert report["acceptance_rate"] == 0.75 and report["tokens_per_round"] == round(100 / 30, 3)
+    idle = dataclasses.replace(point(0.2, 5.0), drafted=0, accepted=0, rounds=0).report()  # no call drafted
+    assert idle["acceptance_rate"] is None and idle["tokens_per_round"] is None  # was 100 tokens "per round"
 
 
 def test_a_draft_vocabulary_is_the_references_most_frequent_tokens():
