@@ -562,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     caption = commands.add_parser("caption", help="caption images with a saved model")
     caption.add_argument("model_dir")
     caption.add_argument("images", nargs="+")
-    caption.add_argument("--prompt", default=CAPTION_PROMPT)
+    caption.add_argument("--prompt", default=CAPTION_PROMPT, help="the text beside each image ('' = the image alone)")
     caption.add_argument("--num-beams", type=positive_int, help="default 5; 1 with --exit-mode speculative")
     caption.add_argument("--exit-mode", dest="exit_mode", choices=EXIT_MODES, help="exit (lossy) or speculative")
     caption.add_argument("--max-new-tokens", type=positive_int, default=16)
