@@ -306,8 +306,9 @@ class OFAEarlyExitConfig(PreTrainedConfig):
             )
         loaded = super().from_dict(config_dict, **kwargs)
         config = loaded[0] if isinstance(loaded, tuple) else loaded  # a tuple under `return_unused_kwargs`
-        # The model carries them into its generation config, whose saved knobs would otherwise outrank them.
-        config.given_exit_knobs = {name: kwargs[name] for name in EXIT_KNOBS if name in kwargs}
+        # Their names: the model carries the config's values for them into its generation config, whose saved knobs
+        # would otherwise outrank them.
+        config.given_exit_knobs = [name for name in EXIT_KNOBS if name in kwargs]
         return loaded
 
     def to_dict(self) -> dict[str, Any]:

@@ -131,22 +131,27 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
             )
         if bounds is not None and not all(bounds[0] <= value <= bounds[1] for value in per_row):
             raise ValueError(f"`{name}` is a cosine similarity and must lie in {list(bounds)}, got {threshold}.")
-    check_patience(values, len(config.exit_points))
+    check_patience(values, config)
     check_batch_rules(values)
     check_draft_batch_size(values.get("draft_max_batch_size"))
     check_draft_vocabulary(values.get("draft_vocabulary"), config.vocab_size)
     check_encoder_parts({part for part in ENCODER_PARTS if values.get(f"{part}_exit_threshold") is not None}, config)
 
 
-def check_patience(values: dict[str, Any], exit_points: int) -> None:
-    """The patience policy's threshold counts exit points whose predictions agree in a row: more than the decoder
-    has would never exit, silently."""
+def check_patience(values: dict[str, Any], config: Any) -> None:
+    """The patience policy's threshold counts asked exit points whose predictions agree in a row: more than those
+    between `min_exit_layer` and `max_exit_layer` would never exit, silently. (None asked at all is the no-exit
+    setting of any policy.)"""
+    low, high = values.get("min_exit_layer", 1), values.get("max_exit_layer") or config.decoder_layers
+    asked = sum(low <= point <= high for point in config.exit_points)
     for policy, threshold in (("exit_policy", "exit_threshold"), ("draft_exit_policy", "draft_exit_threshold")):
         count = values.get(threshold)
-        if values.get(policy) == "patience" and isinstance(count, numbers.Real) and count > exit_points:
+        count = count.tolist() if hasattr(count, "tolist") else count  # a 0-d tensor or NumPy number: the number
+        drafting_policy = values.get(policy) or values.get("exit_policy")  # the drafts default to the exits' policy
+        if drafting_policy == "patience" and isinstance(count, numbers.Real) and 0 < asked < count:
             raise ValueError(
                 f"`{threshold}={count}` with the patience policy waits for {count} exit points in a row to agree; this "
-                f"decoder has {exit_points}, so it would never exit."
+                f"decoder asks {asked} (within `min_exit_layer` / `max_exit_layer`), so it would never exit."
             )
 
 

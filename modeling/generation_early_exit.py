@@ -441,9 +441,9 @@ class EarlyExitGenerationMixin(GenerationMixin):
     def adjust_generation_fn(self, *args, **kwargs) -> None:
         # `from_pretrained` loads the saved generation config here; a knob given to that call outranks its saved value.
         super().adjust_generation_fn(*args, **kwargs)
-        given = self.config.__dict__.pop("given_exit_knobs", {})
+        given = self.config.__dict__.pop("given_exit_knobs", [])
         if given and self.generation_config is not None:
-            self.generation_config.update(**given)
+            self.generation_config.update(**{name: getattr(self.config, name) for name in given})
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  *args, **kwargs):  # fmt: skip

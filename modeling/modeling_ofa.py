@@ -1044,7 +1044,7 @@ class DraftVocabulary:
 @dataclass
 class DecoderPositionTable:
     """The decoder's position terms for every position id 0..P-1, so that a decoding step slices (or gathers) them
-    instead of recomputing them. P starts at 64 or the next power of two above the step's length and doubles as
+    instead of recomputing them. P starts at 64 or the first power of two not below the step's length and doubles as
     decoding needs (`call_position_table`), up to the table's max_position_embeddings + 2 rows.
 
     positions: [P, d], the LayerNorm'd position embeddings. self_queries / self_keys / cross_queries: [heads, P,

@@ -13,11 +13,12 @@ Every loss term of the model is a sum over target tokens, divided by the target 
 on every process (the count the Trainer makes for `num_items_in_batch`, from the decoder's mask for the label-free
 losses), so gradient accumulation and data parallelism give the update of one large batch. Each such term, as a
 per-token mean over the tokens since the last log, is logged as `loss_exit_{layer}`, `loss_final` and
-`loss_adv_{layer}`. The discriminators' L_D is a mean over each micro-batch's tokens already, stepped per
-micro-batch, and logged as `loss_disc`, its mean over the micro-batches since the last log.
+`loss_adv_{layer}`. The discriminators' L_D is a mean over each micro-batch's tokens already, divided by the
+accumulation steps, and logged as `loss_disc`, its mean over the micro-batches since the last log.
 
-The discriminators and the exits alternate, as in FREE: on each micro-batch the discriminators step first, on the
-features just computed, and the generators' loss is then taken against the discriminators as they now are.
+The discriminators and the exits alternate, as in FREE: the discriminators step first, on the features just
+computed (at each optimizer step, like the model: they follow gradient accumulation), and the generators' loss is
+then taken against the discriminators as they now are.
 With `freeze_backbone`, the backbone runs as at inference (no dropout or drop-path, BatchNorm statistics kept), so
 it stays bit-identical.
 
@@ -126,6 +127,17 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         if args.freeze_backbone:
             for name, parameter in model.named_parameters():
                 parameter.requires_grad_(in_exit_head(name))
+        moving = [
+            name for name, parameter in model.named_parameters() if parameter.requires_grad and not in_exit_head(name)
+        ]
+        if args.exit_loss in LABEL_FREE_LOSSES and moving:
+            # A review measured it: 40 steps of "distill" on the embedded model, unfrozen, took VQA from 0.92 to 0.51.
+            raise ValueError(
+                f"exit_loss={args.exit_loss!r} trains no term at the last layer (it is the exits' teacher, or has "
+                f"none), so training the backbone ({moving[0]}, ...) would drift it away from the full model: set "
+                "`freeze_backbone=True` (`--freeze-backbone`; the config needs exit heads, `exit_adapter_dim` or "
+                "`exit_transformer_layers`), or with PEFT train the exit heads alone, as BLIPEE trains."
+            )
         heads = [parameter for name, parameter in model.named_parameters() if in_exit_head(name)]
         if args.exit_loss in HEAD_LOSSES and not any(parameter.requires_grad for parameter in heads):
             names = [f"{module}.{index}" for module in EXIT_HEAD_MODULES for index in range(len(self.exit_points))]
@@ -182,13 +194,6 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             raise ValueError(
                 "exit_loss='adversarial' with fp16: the discriminators' optimizer would share the model's gradient "
                 "scaler, which then updates twice a step; train in bf16 or float32."
-            )
-        if exit_loss in LABEL_FREE_LOSSES and not self.args.freeze_backbone:
-            # A review measured it: 40 steps of "distill" on the embedded model, unfrozen, took VQA from 0.92 to 0.51.
-            raise ValueError(
-                f"exit_loss={exit_loss!r} trains no term at the last layer (it is the exits' teacher, or has none), so "
-                "a trainable backbone would drift away from the full model: set `freeze_backbone=True` (the config "
-                "then needs exit heads, `exit_adapter_dim` or `exit_transformer_layers`), as BLIPEE trains."
             )
         has_heads = config.exit_adapter_dim is not None or config.exit_transformer_layers is not None
         if self.args.freeze_backbone and (not has_heads or exit_loss == "none"):

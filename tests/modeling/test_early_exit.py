@@ -909,6 +909,9 @@ def test_a_model_config_knob_the_generation_config_outranks_is_said_once(monkeyp
         (dict(exit_threshold=0.9, exit_threshold_schedule="cosine"), "exit_threshold_schedule"),
         (dict(exit_threshold=2.5, exit_policy="patience"), "layer count"),
         (dict(exit_threshold=100, exit_policy="patience"), "so it would never exit"),  # was accepted, never exiting
+        (dict(exit_threshold=torch.tensor(9), exit_policy="patience"), "so it would never exit"),
+        (dict(exit_threshold=DEPTH - 1, exit_policy="patience", min_exit_layer=2), "asks 2 "),  # layers 2, 3 asked
+        (dict(exit_mode="speculative", exit_policy="patience", exit_threshold=2, draft_exit_threshold=9), "draft_exit"),
         (dict(kv_strategy="share"), "kv_strategy"),
         (dict(min_exit_layer=0), "min_exit_layer"),
         (dict(min_exit_layer=DEPTH + 1), "min_exit_layer"),

@@ -248,6 +248,18 @@ def test_a_knob_given_to_from_pretrained_outranks_the_saved_generation_config(tm
     assert json.loads((tmp_path / "again" / "generation_config.json").read_text())["exit_threshold"] == value
 
 
+def test_a_config_made_with_a_knob_gives_the_generation_config_its_value_as_it_is_at_load(tmp_path):
+    """A config object keeps the names of the knobs it was given, not their values of then: one edited since loads
+    with its edit (the value of an earlier call was applied before)."""
+    model = tiny_model()
+    model.generation_config.exit_threshold = 0.9
+    model.save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path, exit_threshold=0.3)
+    config.exit_threshold = 0.6
+    reloaded = EarlyExitOFAForConditionalGeneration.from_pretrained(tmp_path, config=config)
+    assert reloaded.generation_config.exit_threshold == 0.6 == reloaded.config.exit_threshold
+
+
 def test_a_knob_json_cannot_hold_is_refused_before_anything_is_written(tmp_path):
     from hf_earlyexit.modeling.exit_controllers import FixedLayerExit
 

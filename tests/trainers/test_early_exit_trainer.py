@@ -394,6 +394,22 @@ def test_a_peft_model_trains_exit_heads_listed_in_modules_to_save_and_refuses_th
     assert trained and all("modules_to_save" in name for name in trained)
 
 
+def test_the_label_free_losses_train_a_peft_models_exit_heads_alone(tmp_path):
+    """`distill` moves nothing but the exit heads: PEFT's own freezing serves, and LoRA on the backbone is refused."""
+    peft = pytest.importorskip("peft")
+    heads = [f"exit_adapters.{index}" for index in range(DEPTH - 1)]
+
+    def adapted(targets: list[str], saved: list[str] | None = None):
+        config = peft.LoraConfig(r=4, target_modules=targets, modules_to_save=saved)
+        return peft.get_peft_model(tiny_model(decoder_layers=DEPTH, exit_adapter_dim=8), config)
+
+    dataset = TinyCaptions(labels=False)
+    # Was refused either way: `freeze_backbone` on a PEFT model, and the label-free losses without it.
+    trainer_for(tmp_path, adapted(["down", "up"]), dataset, exit_loss="distill", max_steps=1).train()  # in the heads
+    with pytest.raises(ValueError, match="training the backbone .*lora.* would drift"):
+        trainer_for(tmp_path, adapted(["q_proj", "v_proj"], heads), dataset, exit_loss="distill")
+
+
 # --- evaluation ---------------------------------------------------------------------------------------------------
 
 
