@@ -534,8 +534,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     trainer = fine_tune(
         args, config_fields, exit_loss=args.exit_loss, freeze_backbone=args.freeze_backbone, disable_tqdm=False
     )
-    last = [entry for entry in trainer.state.log_history if "loss" in entry][-1]
-    losses = {key: round(value, 4) for key, value in last.items() if key.startswith("loss")}
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]  # none where a resumed run logged none
+    losses = {key: round(value, 4) for key, value in (logged[-1] if logged else {}).items() if key.startswith("loss")}
     print(f"trained to step {trainer.state.global_step} with exit_loss={args.exit_loss!r}; last logged {losses}")
     print(f"saved the model and processor to {args.output_dir}")
 
@@ -773,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-earlyexit: error: {' '.join(str(error).split())}", file=sys.stderr)  # one line, as promised
         return 2
     except KeyboardInterrupt:
-        resumable = args.command == "train" and any(Path(args.output_dir).glob("checkpoint-*"))
+        resumable = args.command == "train" and any(Path(args.output_dir).glob("checkpoint-*/trainer_state.json"))
         print(f"\nhf-earlyexit: interrupted{' (continue with --resume)' if resumable else ''}", file=sys.stderr)
         return 130
     return 0

@@ -99,17 +99,8 @@ def load_model_and_processor(model_dir: str | Path, remote_code: bool = True, **
     logging.set_verbosity_error()  # Transformers' table of missing weights: the check below says what matters
     logging.disable_progress_bar()  # the weight-loading bar would break the CLI's one-line errors
     try:
-        model, loaded = model_class.from_pretrained(
-            path, trust_remote_code=True, output_loading_info=True, **config_fields
-        )
-        processor = processor_class.from_pretrained(path, trust_remote_code=True)
-    except SafetensorError as error:
-        raise ValueError(f"{path}: its weights are not a readable safetensors file ({error}).") from None
-    except OSError as error:  # Transformers' "Can't load ..." (no processor saved), with a Hub address to try
-        raise ValueError(
-            f"{path}: no processor loads from it ({str(error).splitlines()[0]}): save the model's processor "
-            "beside it (`processor.save_pretrained`)."
-        ) from None
+        model, loaded = loaded_model(model_class, path, config_fields)
+        processor = loaded_processor(processor_class, path)
     finally:
         logging.set_verbosity(verbosity)
         if bar:
@@ -122,6 +113,25 @@ def load_model_and_processor(model_dir: str | Path, remote_code: bool = True, **
             f"{len(unexpected)} unexpected, e.g. {unexpected[:2]}): a config edited apart from its weights?"
         )
     return model.eval(), processor
+
+
+def loaded_model(model_class: Any, path: Path, config_fields: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """`model_class.from_pretrained` of `path` with its loading info; ValueError on weights that do not read."""
+    try:
+        return model_class.from_pretrained(path, trust_remote_code=True, output_loading_info=True, **config_fields)
+    except SafetensorError as error:
+        raise ValueError(f"{path}: its weights are not a readable safetensors file ({error}).") from None
+
+
+def loaded_processor(processor_class: Any, path: Path) -> Any:
+    """`processor_class.from_pretrained` of `path`; ValueError naming a processor that is not there."""
+    try:
+        return processor_class.from_pretrained(path, trust_remote_code=True)
+    except OSError as error:  # Transformers' "Can't load ..." (no processor saved), with a Hub address to try
+        raise ValueError(
+            f"{path}: no processor loads from it ({str(error).splitlines()[0]}): save the model's processor "
+            "beside it (`processor.save_pretrained`)."
+        ) from None
 
 
 def build_processor(tokenizer_dir: str | Path, image_size: int, config: Any) -> OFAProcessor:

@@ -99,8 +99,12 @@ def assemble(
     resolve_knobs(model.config, model.generation_config)  # saved exit defaults checked before the assembly
     replacing = check_replaceable(output_dir, model_dir)
     # Assembled beside `output_dir` and moved into place once whole: an earlier assembly stays until then, and a
-    # stopped run leaves only this staging folder, which the next run clears.
-    staging = output_dir.with_name(f".{output_dir.name}.assembling")
+    # stopped run leaves only this staging folder, which the next run clears. Named from the folder `output_dir`
+    # stands for ("." or a link), whose files are replaced in it.
+    target = output_dir.resolve()
+    staging = target.with_name(f".{target.name}.assembling")
+    if staging == model_dir.resolve():
+        raise ValueError(f"The model folder {model_dir} has the name of {output_dir}'s staging folder: move it.")
     if staging.exists():
         shutil.rmtree(staging)
     processor.save_pretrained(staging)
@@ -113,9 +117,15 @@ def assemble(
         shutil.copy(plot, staging / "tradeoff.png")
     write_card(staging, model, config, records, repo_id, plot is not None, card_fields)
     (staging / ASSEMBLY_MANIFEST).write_text("".join(f"{path.name}\n" for path in sorted(staging.iterdir())))
-    if replacing:
-        shutil.rmtree(output_dir)
-    staging.rename(output_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    for path in target.iterdir() if replacing else []:  # the earlier assembly's files, as its manifest lists them
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    for path in staging.iterdir():
+        path.rename(target / path.name)
+    staging.rmdir()
     return output_dir
 
 

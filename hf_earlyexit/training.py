@@ -170,14 +170,14 @@ def check_output_dir(output_dir: Path) -> None:
 
 
 def check_resumable(checkpoint: Path, model: Any, max_steps: int) -> None:
-    """A stopped run continues with the model it trained and at least the steps it took (exactly those: a run
-    stopped after its last checkpoint, which then becomes the saved model). ValueError otherwise: the Trainer would
-    fail to load another model's weights (or optimizer), or save a model trained longer than asked."""
+    """A stopped run continues with the model it trained and more steps than it took. ValueError otherwise: the
+    Trainer would fail to load another model's weights (or optimizer), or train past --max-steps. A run stopped
+    after its last step is finished: its checkpoint holds the model (weights, config, processor)."""
     step = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
-    if step > max_steps:
+    if step >= max_steps:
         raise ValueError(
-            f"{checkpoint} stopped at step {step}, past --max-steps {max_steps}: give the stopped run's --max-steps "
-            "(or more) to continue it."
+            f"{checkpoint} stopped at step {step}, which --max-steps {max_steps} leaves nothing after: that folder "
+            "holds the trained model (load or evaluate it as it is), or give more --max-steps to train on."
         )
     saved = saved_shapes(checkpoint)
     own = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}

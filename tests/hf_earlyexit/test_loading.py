@@ -55,6 +55,11 @@ def test_a_model_folder_without_a_processor_or_with_a_broken_generation_config_i
     (tmp_path / "generation_config.json").write_text("{")
     with pytest.raises(ValueError, match="generation_config.json is not JSON"):  # was dropped with its exits
         load_model_and_processor(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(OSError, match="model.safetensors") as missing:  # the weights named, not the processor
+        load_model_and_processor(tmp_path)
+    assert "processor" not in str(missing.value)
 
 
 def test_load_model_and_processor_applies_config_fields_and_refuses_other_folders(tmp_path):

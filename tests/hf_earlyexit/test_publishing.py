@@ -325,6 +325,19 @@ def test_a_folder_that_does_not_load_as_saved_is_refused_before_the_assembly(mod
     assert not (tmp_path / "out").exists()
 
 
+def test_publish_assembles_into_the_current_folder_and_through_a_link(model_dir, tmp_path, no_validation, monkeypatch):
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    for _ in range(2):  # a first assembly, then its replacement (was "PosixPath('.') has an empty name")
+        publish(model_dir, REPO_ID, output_dir=".", dry_run=True)
+        assert (tmp_path / "here" / "model.safetensors").is_file()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    publish(model_dir, REPO_ID, output_dir=tmp_path / "link", dry_run=True)
+    assert (tmp_path / "real" / "README.md").is_file() and (tmp_path / "link").is_symlink()
+    assert not [path for path in tmp_path.iterdir() if path.name.endswith(".assembling")]
+
+
 def test_an_output_folder_that_is_a_file_is_named(model_dir, tmp_path):
     (tmp_path / "out").write_text("")
     with pytest.raises(ValueError, match="The output folder .*out is a file"):  # was "[Errno 20] Not a directory"
