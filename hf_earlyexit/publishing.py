@@ -88,12 +88,7 @@ def assemble(
             f"The model card needs measured numbers: run `hf-earlyexit bench {model_dir} --task TASK --json >> "
             f"{model_dir / 'benchmark.jsonl'}` (or pass --benchmark FILE)."
         )
-    if plot is None:
-        plot = model_dir / "tradeoff.png" if (model_dir / "tradeoff.png").is_file() else None
-    elif not Path(plot).is_file():
-        raise ValueError(f"No plot at {plot}.")
-    elif not Path(plot).read_bytes().startswith(PNG_SIGNATURE):
-        raise ValueError(f"{plot} is not a PNG image: the card shows it as tradeoff.png.")
+    plot = checked_plot(model_dir, plot)
     # This package's classes, whose code the folder ships; weights checked against the config as every command does.
     model, processor = load_model_and_processor(model_dir, remote_code=False)
     resolve_knobs(model.config, model.generation_config)  # saved exit defaults checked before the assembly
@@ -117,6 +112,24 @@ def assemble(
         shutil.copy(plot, staging / "tradeoff.png")
     write_card(staging, model, config, records, repo_id, plot is not None, card_fields)
     (staging / ASSEMBLY_MANIFEST).write_text("".join(f"{path.name}\n" for path in sorted(staging.iterdir())))
+    move_into(staging, target, replacing)
+    return output_dir
+
+
+def checked_plot(model_dir: Path, plot: str | Path | None) -> Path | None:
+    """The card's plot: `plot`, which must be a PNG, else the model folder's tradeoff.png if it has one."""
+    if plot is None:
+        return model_dir / "tradeoff.png" if (model_dir / "tradeoff.png").is_file() else None
+    if not Path(plot).is_file():
+        raise ValueError(f"No plot at {plot}.")
+    if not Path(plot).read_bytes().startswith(PNG_SIGNATURE):
+        raise ValueError(f"{plot} is not a PNG image: the card shows it as tradeoff.png.")
+    return Path(plot)
+
+
+def move_into(staging: Path, target: Path, replacing: bool) -> None:
+    """The files of a whole assembly in `staging` moved into the folder `target`, in place of an earlier assembly's
+    (`replacing`), and `staging` removed."""
     target.mkdir(parents=True, exist_ok=True)
     for path in target.iterdir() if replacing else []:  # the earlier assembly's files, as its manifest lists them
         if path.is_dir() and not path.is_symlink():
@@ -126,7 +139,6 @@ def assemble(
     for path in staging.iterdir():
         path.rename(target / path.name)
     staging.rmdir()
-    return output_dir
 
 
 def write_card(
