@@ -19,6 +19,7 @@ from .modeling.exit_controllers import (
     FixedLayerExit,
     PatienceExit,
     SimilarityExit,
+    ThresholdExit,
 )
 from .modeling.exit_knobs import NO_EXIT
 from .modeling.generation_early_exit import EarlyExitSettings
@@ -48,6 +49,7 @@ __all__ = [
     "PatienceExit",
     "PublishError",
     "SimilarityExit",
+    "ThresholdExit",
     "EarlyExitOFAForConditionalGeneration",
     "OFAEarlyExitConfig",
     "OFAImageProcessor",

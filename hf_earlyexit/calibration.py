@@ -100,7 +100,8 @@ def fastest_within_tolerance(
 
 
 def settings_key(settings: dict[str, Any]) -> str:
-    return json.dumps(settings, sort_keys=True)
+    """One text per setting; a controller by its repr, a threshold per request as its list."""
+    return json.dumps(settings, sort_keys=True, default=lambda value: getattr(value, "tolist", value.__repr__)())
 
 
 def fixed_sequence(points: Sequence[OperatingPoint], ordering: Sequence[OperatingPoint]) -> list[OperatingPoint]:
@@ -232,7 +233,7 @@ def fastest_on_every_task(eligible: dict[str, Sequence[OperatingPoint]]) -> dict
         key=lambda item: sum(p.expected_time_reduction for p in item[1]) / len(item[1]),
         default=None,
     )
-    return None if best is None else json.loads(best[0])
+    return None if best is None else dict(best[1][0].settings)
 
 
 def with_encoder_min_exit_layer(settings: dict[str, Any], points: Sequence[OperatingPoint]) -> dict[str, Any]:

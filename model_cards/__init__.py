@@ -143,12 +143,22 @@ def render_model_card(
         architecture=architecture,
         repo_id=repo_id,
         settings=f"`{json.dumps(knobs)}`" if knobs else "none (the model runs at full depth unless asked to exit)",
+        defaults=defaults_sentence(bool(knobs), calibration),
         guarantee=guarantee(calibration),
         table=table,
         plot=f"\n![Quality against expected time reduction]({plot})\n" if plot else "",
         training=training_summary(recipe),
     )
     return f"---\n{data.to_yaml()}\n---\n\n{text}"
+
+
+def defaults_sentence(saved: bool, calibration: dict[str, Any] | None) -> str:
+    """Where the saved exit defaults come from: a calibration if `calibration.json` records its choice."""
+    if not saved:
+        return "This repository saves no exit defaults: `generate` runs the full model unless given exit knobs."
+    if calibration is None or calibration.get("chosen") is None:
+        return "The exit settings below are this repository's generation defaults (no calibration is recorded)."
+    return "The exit settings below were calibrated on held-out data and are this repository's generation defaults."
 
 
 def guarantee(calibration: dict[str, Any] | None) -> str:
@@ -187,6 +197,7 @@ __all__ = [
     "CARD_TEMPLATE",
     "NOT_MEASURED",
     "TAGS",
+    "defaults_sentence",
     "guarantee",
     "measured_table",
     "read_benchmark",

@@ -8,6 +8,7 @@ The architecture fields keep the names of the official OFA Hugging Face port (`O
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
+from huggingface_hub.errors import StrictDataclassFieldValidationError
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
@@ -113,6 +114,22 @@ PRESETS = {
 }
 
 
+def value_errors(cls: type) -> type:
+    """`@strict` refuses a field of the wrong type with its own exception type: make it the ValueError, naming the
+    field, that every bad input here gets."""
+    strict_setattr = cls.__setattr__
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            strict_setattr(self, name, value)
+        except StrictDataclassFieldValidationError as error:
+            raise ValueError(f"Config field `{name}`: {error.__cause__}") from None
+
+    cls.__setattr__ = __setattr__
+    return cls
+
+
+@value_errors
 @strict
 class OFAEarlyExitConfig(PreTrainedConfig):
     r"""

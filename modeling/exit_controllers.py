@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .exit_knobs import POLICY_NAMES, SCHEDULE_NAMES
+from .exit_knobs import POLICY_NAMES, POLICY_RANGES, SCHEDULE_NAMES
 
 
 @dataclass
@@ -34,13 +34,18 @@ class ExitState:
     part: "decoder" | "encoder_image" | "encoder_text" | "encoder".
     layer: 1-based count of layers of that part run so far.
     step: decoding step, 0-based: the new tokens decoded before this one (after a decoder prompt; 0 in the encoder).
+        An int, one step for the batch; a LongTensor[rows] in speculative mode at batch > 1, where rows advance on
+        their own (a row that accepts more drafts stands further on).
     hidden_states: this layer's output for the active rows, [rows, length, d_model].
     previous_hidden_states: its input, same shape.
-    rows: indices of the active rows in the batch, [rows].
+    rows: indices of the active rows in the batch, [rows]: in the rows `generate` decodes, so under beam search or
+        `num_return_sequences` request i's beams are rows i * num_beams ... (i + 1) * num_beams - 1, and beams are
+        reordered between steps (state kept per row across steps does not follow a beam).
     num_layers: layers of this part in the full model.
-    max_steps: new tokens the generation may produce (threshold schedules decay over it).
+    max_steps: new tokens the generation may produce (threshold schedules decay over it); 1 in the encoder.
     attention_mask: [rows, length], 1 for real tokens (None: all real); the similarity ignores pads with it.
-    logits_fn: computes the exit head's logits for the newest position, [rows, vocab]; called at most once.
+    logits_fn: computes the exit head's logits for the newest position, [rows, vocab]; called at most once. With a
+        `draft_vocabulary` (speculative drafts), the tokens outside it are -inf.
     waiting: which of `rows` have not stopped yet, [rows] (None: all); rows that stopped may run on with the batch
         (`row_exit="keep"`), and a decision for the whole batch must not depend on whether they do.
     """
@@ -72,14 +77,18 @@ class ExitState:
         return self._logits
 
 
+def exp(value: "float | torch.Tensor") -> "float | torch.Tensor":
+    return torch.exp(value) if isinstance(value, torch.Tensor) else math.exp(value)
+
+
 class ThresholdSchedule:
-    """A threshold as a function of the decoding step: `schedule(step, max_steps) -> float` (a tensor [rows] for a
-    threshold per row)."""
+    """A threshold as a function of the decoding step: `schedule(step, max_steps) -> float`, or a tensor [rows] for a
+    threshold per row or a step per row (`ExitState.step` in speculative mode at batch > 1)."""
 
     def __init__(self, threshold: "float | torch.Tensor"):
         self.threshold = threshold
 
-    def __call__(self, step: int, max_steps: int) -> "float | torch.Tensor":
+    def __call__(self, step: "int | torch.Tensor", max_steps: int) -> "float | torch.Tensor":
         return self.threshold
 
     def __repr__(self) -> str:
@@ -97,18 +106,19 @@ class MuEPaperSchedule(ThresholdSchedule):
         super().__init__(threshold)
         self.beta, self.tau = beta, tau
 
-    def __call__(self, step: int, max_steps: int) -> float:
-        return self.beta * self.threshold + (1 - self.beta) * math.exp(-step / (self.tau * max_steps))
+    def __call__(self, step: "int | torch.Tensor", max_steps: int) -> "float | torch.Tensor":
+        return self.beta * self.threshold + (1 - self.beta) * exp(-step / (self.tau * max_steps))
 
 
 class MuEOfficialSchedule(ThresholdSchedule):
     """MuE's decay as the official code does it: no exit (1.0) in the first third of the steps, then
     0.9θ + 0.1·exp(−(t + 1) / (N + 1)), N = max_steps (models/sequence_generator.py of `feature/MuE`)."""
 
-    def __call__(self, step: int, max_steps: int) -> float:
-        if step < (max_steps + 1) / 3:
-            return 1.0
-        return 0.9 * self.threshold + 0.1 * math.exp(-(step + 1) / (max_steps + 1))
+    def __call__(self, step: "int | torch.Tensor", max_steps: int) -> "float | torch.Tensor":
+        decayed = 0.9 * self.threshold + 0.1 * exp(-(step + 1) / (max_steps + 1))
+        if isinstance(step, torch.Tensor):
+            return torch.where(step < (max_steps + 1) / 3, 1.0, decayed)
+        return 1.0 if step < (max_steps + 1) / 3 else decayed
 
 
 class CALMSchedule(ThresholdSchedule):
@@ -119,8 +129,8 @@ class CALMSchedule(ThresholdSchedule):
         super().__init__(threshold)
         self.tau = tau
 
-    def __call__(self, step: int, max_steps: int) -> "float | torch.Tensor":
-        return 0.9 * self.threshold + 0.1 * math.exp(-self.tau * step / max_steps)
+    def __call__(self, step: "int | torch.Tensor", max_steps: int) -> "float | torch.Tensor":
+        return 0.9 * self.threshold + 0.1 * exp(-self.tau * step / max_steps)
 
 
 # In the order of `SCHEDULE_NAMES`, the names the knobs accept.
@@ -174,7 +184,9 @@ class ExitController:
 
 
 class ThresholdExit(ExitController):
-    """A controller that compares a per-row score with a (possibly scheduled) threshold in [low, high]."""
+    """A controller that compares a per-row score with a (possibly scheduled) threshold in [low, high]: the base of a
+    new policy. Subclass it, set `score_range` and implement `score(state) -> [rows]`; thresholds per request and
+    schedules then work as for the built-in policies."""
 
     score_range: tuple[float, float] = (0.0, 1.0)
 
@@ -195,16 +207,32 @@ class ThresholdExit(ExitController):
         raise NotImplementedError
 
     def __call__(self, state: ExitState) -> torch.BoolTensor:
-        score, threshold = self.score(state), self.schedule(state.step, state.max_steps)
-        if isinstance(threshold, torch.Tensor):  # one per row of the batch: the running rows' own
-            try:  # no host read of the rows on this per-layer path: a short tensor fails the indexing itself
-                threshold = threshold.to(score.device, score.dtype)[state.rows.to(score.device)]
-            except IndexError:
-                raise ValueError(
-                    f"{type(self).__name__} has {threshold.shape[0]} thresholds, one per row, fewer than the batch's "
-                    "rows: give one per row (`generate` repeats a request's for its beams and returned sequences)."
-                ) from None
+        score = self.score(state)
+        threshold = self.threshold(state)
+        if isinstance(threshold, torch.Tensor):
+            threshold = threshold.to(score.device, score.dtype)
         return score > threshold
+
+    def threshold(self, state: ExitState) -> "float | torch.Tensor":
+        """The running rows' thresholds, [rows] (or one number for all): the schedule at each row's step, for each row
+        of the batch where the threshold is one per row."""
+        base, step = self.schedule.threshold, state.step
+        if not isinstance(base, torch.Tensor):
+            return self.schedule(step, state.max_steps)
+        rows = state.rows.to(base.device)
+        try:  # no host read of the rows on this per-layer path: a short tensor fails the indexing itself
+            if isinstance(step, torch.Tensor):  # each batch row's threshold at its own step
+                steps = torch.zeros(base.shape[0], dtype=step.dtype, device=base.device)
+                steps[rows] = step.to(base.device)
+                step = steps
+            threshold = self.schedule(step, state.max_steps)
+            return threshold[rows] if isinstance(threshold, torch.Tensor) else threshold
+        except IndexError:
+            raise ValueError(
+                f"{type(self).__name__} has {self.schedule.threshold.shape[0]} thresholds, one per row, fewer than the "
+                "batch's rows: give one per row the model decodes (with beams or returned sequences, one per beam; "
+                "the threshold knobs, such as `exit_threshold`, repeat a request's for them, a controller does not)."
+            ) from None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.schedule!r})"
@@ -218,7 +246,7 @@ class SimilarityExit(ThresholdExit):
     official MuE code does with its batch. Computed in float32 (float16 makes thresholds near 0.99 noisy).
     """
 
-    score_range = (-1.0, 1.0)
+    score_range = POLICY_RANGES["similarity"]
 
     def __init__(self, threshold: float | ThresholdSchedule, schedule: str = "constant", reduction: str = "row"):
         super().__init__(threshold, schedule)
@@ -419,6 +447,7 @@ __all__ = [
     "ExitController",
     "SimilarityExit",
     "ConfidenceExit",
+    "ThresholdExit",
     "PatienceExit",
     "ExitControllerList",
     "FixedLayerExit",

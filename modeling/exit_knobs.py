@@ -99,6 +99,12 @@ THRESHOLD_RANGES: dict[str, tuple[float, float] | None] = {
     "draft_exit_threshold": None,
     **{f"{part}_exit_threshold": (-1.0, 1.0) for part in ENCODER_PARTS},  # cosine similarities
 }
+# A decoder threshold's range is its policy's score's (patience's is a layer count, checked apart).
+POLICY_RANGES: dict[str, tuple[float, float]] = {
+    "similarity": (-1.0, 1.0),
+    "confidence": (0.0, 1.0),
+    "margin": (0.0, 1.0),
+}
 
 
 def check_knobs(values: dict[str, Any], config: Any) -> None:
@@ -119,6 +125,16 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
             f"`max_exit_layer` ({values['max_exit_layer']}) must not be below `min_exit_layer` "
             f"({values.get('min_exit_layer', 1)})."
         )
+    check_thresholds(values)
+    check_patience(values, config)
+    check_batch_rules(values)
+    check_draft_batch_size(values.get("draft_max_batch_size"))
+    check_draft_vocabulary(values.get("draft_vocabulary"), config.vocab_size)
+    check_encoder_parts({part for part in ENCODER_PARTS if values.get(f"{part}_exit_threshold") is not None}, config)
+
+
+def check_thresholds(values: dict[str, Any]) -> None:
+    """Each threshold knob in `values`: a number or one per row, within the range of its policy's score."""
     for name, bounds in THRESHOLD_RANGES.items():
         threshold = values.get(name)
         if threshold is None:
@@ -129,13 +145,22 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
             raise ValueError(
                 f"`{name}` must be a number, one number per row (a list or 1-D tensor), or None, got {threshold!r}."
             )
+        policy = threshold_policy(name, values)
+        bounds = bounds or POLICY_RANGES.get(policy)
         if bounds is not None and not all(bounds[0] <= value <= bounds[1] for value in per_row):
-            raise ValueError(f"`{name}` is a cosine similarity and must lie in {list(bounds)}, got {threshold}.")
-    check_patience(values, config)
-    check_batch_rules(values)
-    check_draft_batch_size(values.get("draft_max_batch_size"))
-    check_draft_vocabulary(values.get("draft_vocabulary"), config.vocab_size)
-    check_encoder_parts({part for part in ENCODER_PARTS if values.get(f"{part}_exit_threshold") is not None}, config)
+            raise ValueError(
+                f"`{name}` is a {policy} score's threshold and must lie in {list(bounds)}, got {threshold}."
+            )
+        if policy == "patience" and not all(value >= 1 and float(value).is_integer() for value in per_row):
+            raise ValueError(f"`{name}` of the patience policy is a layer count of at least 1, got {threshold}.")
+
+
+def threshold_policy(name: str, values: dict[str, Any]) -> str:
+    """The policy whose score a threshold knob compares with: the encoder's similarity, the decoder's `exit_policy`,
+    the drafts' `draft_exit_policy` (by default the decoder's)."""
+    if name == "draft_exit_threshold":
+        return values.get("draft_exit_policy") or values.get("exit_policy", "similarity")
+    return values.get("exit_policy", "similarity") if name == "exit_threshold" else "similarity"
 
 
 def check_patience(values: dict[str, Any], config: Any) -> None:
@@ -196,6 +221,20 @@ def check_drafts_used(exit_mode: str, given: dict[str, Any]) -> None:
         raise ValueError(
             f'{drafts} set speculative mode\'s drafts, but this call decodes with lossy exits (`exit_mode="exit"`): '
             'add `exit_mode="speculative"`, or drop them.'
+        )
+
+
+def check_encoder_knobs_used(given: dict[str, Any], encoder_ran: bool) -> None:
+    """Encoder exits `given` to a call whose encoder already ran (`encoder_outputs` passed in) would change nothing: a
+    ValueError names them. (Saved as defaults, they serve calls that run the encoder.)"""
+    controllers = given.get("exit_controller")
+    parts = set(controllers) & set(ENCODER_PARTS) if isinstance(controllers, dict) else set()
+    named = [f"{part}_exit_threshold" for part in ENCODER_PARTS if given.get(f"{part}_exit_threshold") is not None]
+    named += [f'exit_controller["{part}"]' for part in ENCODER_PARTS if part in parts]
+    if named and encoder_ran:
+        raise ValueError(
+            f"{named} set the encoder's exits, but `encoder_outputs` were passed in: the encoder already ran. Give "
+            "them to the call that runs the encoder, or drop them."
         )
 
 
@@ -282,9 +321,20 @@ def drafts_with_exit_knobs(given: dict[str, Any]) -> bool:
 
 
 def shown_knobs(values: dict[str, Any]) -> dict[str, Any]:
-    """`values` as a report or a model card shows them: a draft vocabulary's ids (thousands) as their count."""
-    vocabulary = values.get("draft_vocabulary")
-    return values if vocabulary is None else {**values, "draft_vocabulary": f"{len(vocabulary)} token ids"}
+    """`values` as a report or a model card shows them, as JSON: a draft vocabulary's ids (thousands) as their count,
+    a controller by its repr, thresholds per request (tensors, arrays) as lists."""
+    shown = dict(values)
+    if values.get("draft_vocabulary") is not None:
+        shown["draft_vocabulary"] = f"{len(values['draft_vocabulary'])} token ids"
+    controller = values.get("exit_controller")
+    if isinstance(controller, dict):
+        shown["exit_controller"] = {part: repr(value) for part, value in controller.items()}
+    elif controller is not None:
+        shown["exit_controller"] = repr(controller)
+    for name, value in values.items():
+        if name.endswith("_threshold") and hasattr(value, "tolist"):
+            shown[name] = value.tolist()
+    return shown
 
 
 def non_default_knobs(values: dict[str, Any]) -> dict[str, Any]:
@@ -313,12 +363,14 @@ __all__ = [
     "RowExitPlan",
     "SCHEDULE_NAMES",
     "SPECULATIVE_KNOBS",
+    "POLICY_RANGES",
     "THRESHOLD_RANGES",
     "ThresholdScheduleName",
     "check_batch_rules",
     "check_draft_batch_size",
     "check_draft_vocabulary",
     "check_drafts_used",
+    "check_encoder_knobs_used",
     "check_encoder_parts",
     "check_knobs",
     "check_not_misspelt",

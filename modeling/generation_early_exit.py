@@ -44,6 +44,7 @@ from .exit_knobs import (
     KVStrategy,
     RowExitPlan,
     check_drafts_used,
+    check_encoder_knobs_used,
     check_encoder_parts,
     drafts_with_exit_knobs,
     resolve_knobs,
@@ -381,6 +382,7 @@ class EarlyExitGenerationMixin(GenerationMixin):
             )
         knobs = {name: kwargs.pop(name) for name in EXIT_KNOBS if name in kwargs}
         encoder_outputs = kwargs.get("encoder_outputs")
+        check_encoder_knobs_used(knobs, encoder_ran=encoder_outputs is not None)
         if getattr(encoder_outputs, "cross_position_keys", None) is not None:  # an earlier call's, maybe other weights
             kwargs["encoder_outputs"] = dataclasses.replace(encoder_outputs, cross_position_keys=None)
         settings = kwargs.pop("exit_settings", None)
@@ -477,6 +479,21 @@ class EarlyExitGenerationMixin(GenerationMixin):
             return output
         none = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
         return EarlyExitGenerateOutput(**output, drafted_tokens=none, accepted_tokens=none, speculative_rounds=none)
+
+    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                           streamer=None, inputs_tensor=None, **model_kwargs):  # fmt: skip
+        # `generate` hands `inputs_tensor` (the assistant's encoder reruns on it) to a method that names it.
+        output = super()._assisted_decoding(
+            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, inputs_tensor,
+            **model_kwargs,
+        )  # fmt: skip
+        if not isinstance(output, GenerateEncoderDecoderOutput):
+            return output
+        # One verification pass keeps several tokens, each of them the full decoder's (`check_decoding` refuses
+        # decoder exits here); assisted decoding runs one row, so none pads.
+        new_tokens = output.sequences.shape[1] - input_ids.shape[1]
+        layers = torch.full((output.sequences.shape[0], new_tokens), self.config.decoder_layers, dtype=torch.long)
+        return EarlyExitGenerateOutput(**output, exit_layers=layers.to(output.sequences.device))
 
     def _speculative_sample(
         self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs: dict[str, Any]
@@ -653,10 +670,10 @@ def check_decoding(settings: EarlyExitSettings, generation_config: GenerationCon
     speculative = settings.exit_mode == "speculative"
     if assisted and speculative:
         raise ValueError(f'`exit_mode="speculative"` drafts with the model\'s own exits: drop {assisted}.')
-    if assisted and settings.exits:
+    if assisted and settings.decoder is not None:
         raise ValueError(
-            f"{assisted} verify several tokens in one pass, which lossy exits would change: use "
-            '`exit_mode="speculative"` (lossless), or no exits.'
+            f"{assisted} verify several tokens in one pass, which lossy decoder exits would change: use "
+            '`exit_mode="speculative"` (lossless), or no decoder exit.'
         )
     if not speculative:
         return

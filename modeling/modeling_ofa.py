@@ -14,6 +14,7 @@ Two deliberate differences from the official port, both invisible on its inputs:
 """
 
 import functools
+import inspect
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -34,7 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .configuration_ofa import PATCH_STEM, RESNET_LAYERS, OFAEarlyExitConfig
 from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitState, checked_decision
-from .exit_knobs import EXIT_KNOBS
+from .exit_knobs import ENCODER_PARTS, EXIT_KNOBS
 from .generation_early_exit import EarlyExitGenerationMixin, EarlyExitSettings, new_cache, with_cross_attention_cache
 from .row_exits import ActiveRows, LayerCosts, RowExits, random_state_kept, select_rows
 
@@ -118,6 +119,53 @@ def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
     keep = 1.0 - rate
     mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
     return x * mask / keep
+
+
+@functools.cache
+def forward_parameters(model_class: type) -> frozenset[str]:
+    """The names `model_class.forward` takes, read once per class (not per decoding step)."""
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def check_encoder_inputs(
+    text: torch.Tensor | None, attention_mask: torch.Tensor | None, pixel_values: torch.Tensor | None
+) -> None:
+    """The encoder's inputs agree: a text of at least one token, a mask of its shape, images for its rows."""
+    name = "`input_ids` (or `inputs_embeds`)"
+    if text is not None and text.shape[1] == 0:
+        raise ValueError(f"{name} has no token (shape {list(text.shape)}): leave the text out for images alone.")
+    if text is not None and attention_mask is not None and attention_mask.shape != text.shape[:2]:
+        raise ValueError(
+            f"`attention_mask` must have the text's shape {list(text.shape[:2])}, got {list(attention_mask.shape)}."
+        )
+    if text is not None and pixel_values is not None and pixel_values.shape[0] != text.shape[0]:
+        raise ValueError(
+            f"`pixel_values` has {pixel_values.shape[0]} images for {text.shape[0]} rows of {name}: give one per row."
+        )
+
+
+def check_cache_fits(cache: EarlyExitCache, depth: int, batch: int) -> None:
+    """An `EarlyExitCache` passed in holds a slot per decoder layer, and rows of this batch once it holds tokens."""
+    if cache.num_layers != depth:
+        raise ValueError(
+            f"The EarlyExitCache has {cache.num_layers} layers, the decoder {depth}: build it from this model's config "
+            "(`EarlyExitCache(model.config, kv_strategy)`)."
+        )
+    keys = cache.layers[0].keys
+    if cache.get_seq_length() > 0 and keys is not None and keys.shape[0] != batch:
+        raise ValueError(
+            f"The cache passed in holds {keys.shape[0]} rows, this call decodes {batch} (beams and returned sequences "
+            "count): continue with the call's own settings, or pass no cache."
+        )
+
+
+def check_no_layerdrop(name: str, layerdrop: float, training: bool) -> None:
+    """Exits test and count the layers in order; LayerDrop in training skips them at random."""
+    if training and layerdrop > 0:
+        raise ValueError(
+            f"Exits need every layer to run, but `{name}={layerdrop}` drops layers at random in training mode: call "
+            f"`model.eval()` before `generate`, or set `{name}=0`."
+        )
 
 
 def drop_path_rates(rate: float, count: int) -> list[float]:
@@ -253,6 +301,8 @@ class OFAResNet(nn.Module):
 
 class OFAPatchStem(nn.Module):
     """A light stem for small models: [batch, 3, H, W] -> [batch, 256, H/16, W/16] with two strided convs."""
+
+    patch = 16  # pixels per patch side: the smallest image it takes
 
     def __init__(self):
         super().__init__()
@@ -647,6 +697,13 @@ class OFAEncoder(nn.Module):
         """[batch, 3, H, W] -> patch states [batch, N, d], LN'd positions [batch, N, d], grid (h, w)."""
         if pixel_values.ndim != 4 or pixel_values.shape[1] != 3:
             raise ValueError(f"`pixel_values` must be [batch, 3, height, width], got {list(pixel_values.shape)}.")
+        patch = getattr(self.embed_images, "patch", 1)
+        if min(pixel_values.shape[-2:]) < patch:
+            raise ValueError(
+                f"An image of {pixel_values.shape[-2]}x{pixel_values.shape[-1]} px is smaller than one {patch} px "
+                f"patch of the `resnet_type={self.config.resnet_type!r}` stem: give images of at least {patch} px per "
+                "side."
+            )
         features = self.embed_images(pixel_values.to(self.image_proj.weight.dtype))  # [batch, C, h, w]
         height, width = features.shape[-2:]
         if max(height, width) > self.config.image_bucket_size:
@@ -798,6 +855,7 @@ class OFAEncoder(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> "EncoderSequence":
         """The sequence `[image patches ; text tokens]` the layers run over, with its position terms."""
+        check_encoder_inputs(input_ids if inputs_embeds is None else inputs_embeds, attention_mask, pixel_values)
         parts, positions, paddings = [], [], []
         num_image = text_length = 0
         image_buckets = text_buckets = None
@@ -926,6 +984,8 @@ class OFAEncoder(nn.Module):
         if input_ids is None and inputs_embeds is None and pixel_values is None:
             raise ValueError("The encoder needs `input_ids` (or `inputs_embeds`), `pixel_values` or both.")
         decomposed = self.config.decompose_encoder_modalities
+        if exit_settings is not None and any(getattr(exit_settings, part) is not None for part in ENCODER_PARTS):
+            check_no_layerdrop("encoder_layerdrop", self.config.encoder_layerdrop, self.training)
         sequence = self.embed(input_ids, attention_mask, pixel_values, inputs_embeds)
         # One LayerDrop draw per forward, so both streams of a decomposed encoder skip the same layers.
         layers = layers_to_run(len(self.layers), self.config.encoder_layerdrop, self.training)
@@ -1464,12 +1524,13 @@ class OFADecoder(nn.Module):
         self,
         past_key_values: EncoderDecoderCache | None,
         exit_settings: EarlyExitSettings | None,
+        batch: int,
         query_length: int,
         attention_mask: torch.Tensor | None,
         training_outputs: bool,
     ) -> tuple[Cache | None, int | torch.Tensor, int]:
-        """The self-attention cache of this step, after checking the step's inputs against it and the exit plan,
-        with `cache_span`'s past and key length."""
+        """The self-attention cache of this step (`batch` rows of `query_length` tokens), after checking the step's
+        inputs against it and the exit plan, with `cache_span`'s past and key length."""
         self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
         early = isinstance(self_cache, EarlyExitCache)
         if self_cache is not None and not early and exit_settings is not None and exit_settings.decoder is not None:
@@ -1478,6 +1539,8 @@ class OFADecoder(nn.Module):
                 f"config), DynamicCache())`), got {type(self_cache).__name__}: a {type(self_cache).__name__} serves "
                 "the full decoder only."
             )
+        if early:
+            check_cache_fits(self_cache, len(self.layers), batch)
         past, length = cache_span(self_cache, query_length)
         covered = past + query_length  # a static cache's past is a device tensor: read it only outside a tracer
         if attention_mask is not None and not torch.compiler.is_compiling() and attention_mask.shape[-1] != covered:
@@ -1494,6 +1557,7 @@ class OFADecoder(nn.Module):
             )
         if training_outputs:
             raise ValueError("`output_exit_hidden_states` (training the exits) is not available with decoder exits.")
+        check_no_layerdrop("decoder_layerdrop", self.config.decoder_layerdrop, self.training)
         return self_cache, past, length
 
     def step_biases(
@@ -1544,7 +1608,7 @@ class OFADecoder(nn.Module):
         exit_settings: EarlyExitSettings,
         count: int,
         num_layers: int,
-        past: int,
+        new_tokens: int | torch.Tensor,
         hidden_states: torch.Tensor,
         previous: torch.Tensor,
         exits: RowExits,
@@ -1554,12 +1618,13 @@ class OFADecoder(nn.Module):
         vocabulary: DraftVocabulary | None = None,
     ) -> tuple[torch.Tensor, ExitState]:
         """Ask the decoder's controller which running rows stop after layer `count`: BoolTensor[rows] and its state.
-        Rows in `finished` [batch] stop whatever the controller says. With a draft `vocabulary`, the exit head's
+        `new_tokens`: the tokens each row generated before this step's (`new_tokens_before`). Rows in `finished`
+        [batch] stop whatever the controller says. With a draft `vocabulary`, the exit head's
         logits score its tokens only."""
         state = ExitState(
             part="decoder",
             layer=count,
-            step=max(past + 1 - exit_settings.prompt_length, 0),  # new tokens before this one
+            step=new_tokens if isinstance(new_tokens, int) or exits.active is None else new_tokens[exits.running],
             hidden_states=hidden_states,
             previous_hidden_states=previous,
             rows=exits.running,
@@ -1573,6 +1638,18 @@ class OFADecoder(nn.Module):
         if finished is None:
             return stop, state
         return stop | (finished if exits.active is None else finished[exits.running]), state
+
+    @staticmethod
+    def new_tokens_before(
+        past: int, exit_settings: EarlyExitSettings, position_ids: torch.Tensor | None
+    ) -> int | torch.Tensor:
+        """The tokens generated before this step's, after the decoder prompt: its slot's, one count for the batch;
+        per row, LongTensor[batch], in speculative mode with `position_ids`, where rows skip the slots of their
+        rejected drafts and stand at their own steps (positions count a row's real tokens)."""
+        prompt = exit_settings.prompt_length
+        if exit_settings.exit_mode != "speculative" or position_ids is None or not 1 <= prompt <= past:
+            return max(past + 1 - prompt, 0)
+        return (position_ids[:, past] - position_ids[:, prompt - 1]).clamp(min=0)
 
     def finished_rows(
         self, input_ids: torch.LongTensor | None, exit_settings: EarlyExitSettings, self_cache: EarlyExitCache | None
@@ -1629,7 +1706,7 @@ class OFADecoder(nn.Module):
             inputs_embeds = self.embed_tokens(input_ids)
         tokens = inputs_embeds[..., 0]  # [batch, q]: the step's shape and device, with or without ids
         cache, past, length = self.checked_cache(
-            past_key_values, exit_settings, tokens.shape[1], attention_mask, output_exit_hidden_states
+            past_key_values, exit_settings, *tokens.shape, attention_mask, output_exit_hidden_states
         )
         # The cache that exits read and fill; a Transformers cache (decoder without exits) is only written.
         self_cache = cache if isinstance(cache, EarlyExitCache) else None
@@ -1663,6 +1740,7 @@ class OFADecoder(nn.Module):
         layer_outputs, exit_states, state = [(hidden_states, None, None)], [], None  # (states, attentions) per layer
         asked = exit_settings.asked_layers(self.exit_points, len(layers)) if exit_settings is not None else ()
         vocabulary = self.draft_vocabulary(exit_settings, self_cache, device) if asked else None
+        new_tokens = self.new_tokens_before(past, exit_settings, position_ids) if asked else 0
         for count, idx in enumerate(layers, start=1):
             if self_cache is not None:  # earlier tokens' empty slots in this layer, before it reads them
                 self.complete_layer(idx, exits.running, past_key_values, step, attention_mask, encoder_outputs)
@@ -1690,7 +1768,7 @@ class OFADecoder(nn.Module):
                 exit_settings,
                 count,
                 len(layers),
-                past,
+                new_tokens,
                 hidden_states,
                 previous,
                 exits,
@@ -1850,6 +1928,10 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
                         f"The {source}'s `{name}` ({type(getattr(config, name)).__name__}) cannot be saved as JSON: "
                         "give it to `generate` per call, and save a JSON value (None, a number, a list) in its place."
                     ) from None
+        try:  # the defaults every `generate` call starts from: a bad one would fail each of them after loading
+            EarlyExitSettings.from_knobs(self.config, self.generation_config)
+        except ValueError as error:
+            raise ValueError(f"Not saved: the saved exit defaults would fail every `generate`: {error}") from None
         # An auto-created generation config is saved with `_from_model_config: true`, and its unknown keys (the
         # exit knobs calibration writes there) would then be dropped on reload.
         if any(hasattr(self.generation_config, name) for name in EXIT_KNOBS):
@@ -1870,9 +1952,9 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
         # step would recompile for.
         decoder_input_ids = decoder_input_ids.clone(memory_format=torch.contiguous_format)
         # The encoder ran before the first step: its outputs replace the image, whatever the iteration. Transformers
-        # hands the decoding loop its tokenizers (`stop_strings`) among the model kwargs.
-        skipped = {"labels", "is_first_iteration", "pixel_values", "exit_layer_log", "tokenizer", "assistant_tokenizer"}
-        return {"decoder_input_ids": decoder_input_ids, **{k: v for k, v in kwargs.items() if k not in skipped}}
+        # carries more than `forward` takes among the model kwargs (tokenizers, an assistant, prefill's positions).
+        taken = forward_parameters(type(self)) - {"labels", "pixel_values", "decoder_input_ids"}
+        return {"decoder_input_ids": decoder_input_ids, **{k: v for k, v in kwargs.items() if k in taken}}
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)

@@ -6,6 +6,8 @@ from typing import Literal, get_args
 
 from transformers import Seq2SeqTrainingArguments
 
+from ..modeling.exit_knobs import shown_knobs
+
 ExitLoss = Literal["layerwise", "deep_supervision", "distill", "adversarial", "none"]
 Weighting = Literal["uniform", "increasing"]
 EXIT_LOSSES: tuple[str, ...] = get_args(ExitLoss)
@@ -81,6 +83,21 @@ class EarlyExitTrainingArguments(Seq2SeqTrainingArguments):
         if not 0 <= self.encoder_exit_sampling <= 1:
             raise ValueError(f"`encoder_exit_sampling` must lie in [0, 1], got {self.encoder_exit_sampling}.")
         super().__post_init__()
+
+    def to_dict(self) -> dict:
+        """As `Seq2SeqTrainingArguments.to_dict`, JSON throughout (what logging integrations write): the evaluation's
+        generation config shows a controller by its repr and thresholds per request as lists."""
+        values = super().to_dict()
+        if isinstance(values.get("generation_config"), dict):
+            values["generation_config"] = shown_knobs(values["generation_config"])
+        return values
+
+    def __str__(self) -> str:
+        # The stock text prints the evaluation's `GenerationConfig` as JSON, which fails on a controller object.
+        fields = "".join(f"{name}={value},\n" for name, value in sorted(self.to_dict().items()))
+        return f"{type(self).__name__}(\n{fields})"
+
+    __repr__ = __str__
 
     def explicit_weights(self) -> list[float] | None:
         """The weights given as a list, or None for "uniform" / "increasing"."""

@@ -31,6 +31,7 @@ detached wherever they serve as the target.
 """
 
 import contextlib
+import json
 import os
 import warnings
 from collections import defaultdict
@@ -194,6 +195,11 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             raise ValueError(
                 "exit_loss='adversarial' with fp16: the discriminators' optimizer would share the model's gradient "
                 "scaler, which then updates twice a step; train in bf16 or float32."
+            )
+        if self.args.encoder_exit_sampling > 0 and config.encoder_layerdrop > 0:
+            raise ValueError(
+                "`encoder_exit_sampling` stops the encoder after a layer it counts, which `encoder_layerdrop` "
+                f"({config.encoder_layerdrop}) would skip at random: set one of them to 0."
             )
         has_heads = config.exit_adapter_dim is not None or config.exit_transformer_layers is not None
         if self.args.freeze_backbone and (not has_heads or exit_loss == "none"):
@@ -433,18 +439,23 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         args = self.args
         names = ("exit_loss", "exit_loss_weights", "encoder_exit_sampling", "freeze_backbone", "learning_rate")
         options = {name: getattr(args, name) for name in names}
+        if type(self).exit_loss_and_terms is not EarlyExitTrainer.exit_loss_and_terms:  # a subclass's own loss
+            options["exit_loss"] = f"{type(self).__name__}.exit_loss_and_terms (on {args.exit_loss!r})"
         options |= {
             "steps": self.state.global_step,
             "batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
             "seed": args.seed,
         }
         model = self.accelerator.unwrap_model(self.model)
+        recipe = {"script": "EarlyExitTrainer", "options": options, "parameters": model.num_parameters()}
+        # The card cites the recipe file, which `hf-earlyexit publish` carries on.
+        (output / "training_recipe.json").write_text(json.dumps(recipe, indent=2, default=str) + "\n")
         card = render_model_card(
             self.hub_model_id or model_name or output.name,
             model.config.to_dict(),
             model.generation_config.to_dict(),
             measured_table(read_benchmark(benchmark)) if benchmark.is_file() else NOT_MEASURED,
-            recipe={"script": "EarlyExitTrainer", "options": options, "parameters": model.num_parameters()},
+            recipe=recipe,
             datasets=[dataset] if isinstance(dataset, str) else dataset,
             base_model=finetuned_from,
             license=license,

@@ -18,6 +18,7 @@ from hf_earlyexit.calibration import (
     with_encoder_min_exit_layer,
     write_generation_defaults,
 )
+from hf_earlyexit.modeling.exit_controllers import FixedLayerExit
 from tests.helpers import tiny_inputs, tiny_model
 from tests.hf_earlyexit.test_evaluation import task_setup
 
@@ -106,6 +107,12 @@ def test_one_setting_for_every_task_is_the_fastest_within_tolerance_on_all():
     assert chosen == {"exit_threshold": 0.9}
     assert fastest_for_every_task({"vqa": vqa}, 0.01) == fastest_within_tolerance(vqa[1], 0.80, 0.01).settings
     assert fastest_for_every_task({"caption": (OperatingPoint({}, 1.0, 0.0), captions[:1])}, 0.01) is None
+    # A user's controller in a setting: told apart from the others by its repr.
+    fixed = [
+        OperatingPoint({"exit_controller": FixedLayerExit(k)}, q, r) for k, q, r in ((1, 0.99, 0.6), (2, 1.0, 0.3))
+    ]
+    chosen = fastest_for_every_task({"vqa": (OperatingPoint({}, 1.0, 0.0), fixed)}, 0.01)
+    assert chosen == fixed[0].settings
 
 
 def test_the_encoder_min_exit_layer_is_the_shallowest_exit_on_any_task():

@@ -1,6 +1,8 @@
 """Running a task through generate: predictions, exit layers (none past a sample's end), the full model despite
 saved defaults, and the metric."""
 
+import json
+
 import pytest
 import torch
 from PIL import Image
@@ -17,6 +19,7 @@ from hf_earlyexit.evaluation import (
     score,
     task_inputs,
 )
+from hf_earlyexit.modeling.exit_controllers import FixedLayerExit
 from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from hf_earlyexit.tasks import get_task
 from tests.helpers import tiny_model
@@ -134,6 +137,15 @@ def test_evaluate_task_reports_scores_and_the_flops_time_reduction():
     assert report["scores"] == full["scores"]  # the full model's answers
     assert report["expected_time_reduction_flops"] is None  # the verification runs what the drafts skipped
     assert report["drafted_tokens"] >= report["accepted_tokens"] and report["speculative_rounds"] >= 4
+
+
+def test_a_report_with_a_users_controller_and_thresholds_per_request_is_json():
+    model, processor, _ = task_setup("vqa", samples=4)
+    knobs = {"exit_controller": {"decoder": FixedLayerExit(2)}, "exit_threshold": torch.tensor([0.5, 0.75])}
+    report = evaluate_task(model, processor, "vqa", split="validation", samples=4, batch_size=2, knobs=knobs)
+    assert json.loads(json.dumps(report))["settings"] == {
+        "exit_controller": {"decoder": "FixedLayerExit(2)"}, "exit_threshold": [0.5, 0.75]
+    }  # fmt: skip
 
 
 def test_caption_images_gives_one_caption_per_image():

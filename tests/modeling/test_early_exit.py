@@ -1,5 +1,7 @@
 """Early exit in the model and in `generate`: invariants, the KV strategies, encoder exits, knobs and bad input."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -975,6 +977,25 @@ def test_bad_config_defaults_are_refused():
         tiny_model(min_exit_layer=9)
     with pytest.raises(ValueError, match="draft_vocabulary"):
         tiny_model(draft_vocabulary=[3, 120])  # the tiny vocabulary ends at 119
+    # A threshold outside its policy's range failed only at `generate`, after being saved; a wrong type was
+    # `@strict`'s own exception, not a ValueError.
+    for fields, message in (
+        ({"exit_threshold": float("nan")}, "similarity score's threshold and must lie in"),
+        ({"exit_threshold": -0.5, "exit_policy": "confidence"}, "confidence score's threshold"),
+        ({"exit_threshold": 0.5, "exit_policy": "patience"}, "patience policy is a layer count"),
+        ({"min_exit_layer": 2.0}, "Config field `min_exit_layer`: .*expected int, got float"),
+        ({"batch_stop_fraction": "0.5"}, "Config field `batch_stop_fraction`"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            tiny_model(**fields)
+
+
+def test_saved_exit_defaults_that_would_fail_every_generate_are_not_saved(tmp_path):
+    model = tiny_model()
+    model.generation_config.exit_threshold = float("nan")  # was written into the JSON
+    with pytest.raises(ValueError, match="Not saved: .* `exit_threshold` is a similarity score's threshold"):
+        model.save_pretrained(tmp_path)
+    assert not (tmp_path / "generation_config.json").exists()
 
 
 def test_a_user_controller_sees_the_documented_state(model):
@@ -1403,3 +1424,44 @@ def test_a_decoder_cache_alone_serves_as_bart_takes_it(model):
         model(**inputs, decoder_input_ids=ids[:, :2], past_key_values=cache, use_cache=True)
         step = model(**inputs, decoder_input_ids=ids[:, 2:], past_key_values=cache, use_cache=True).logits
         torch.testing.assert_close(step, model(**inputs, decoder_input_ids=ids).logits[:, 2:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "knobs", [{"exit_threshold": 0.5}, NO_EXIT, {"exit_mode": "speculative", "exit_threshold": 0.5}]
+)
+def test_a_cache_of_another_depth_is_refused_by_name(knobs):
+    """Speculative mode read a 3-layer cache's layer 3 as the full model's and decoded other tokens, silently."""
+    model, strategy = tiny_model(decoder_layers=4), "recompute" if "exit_mode" in knobs else "propagate"
+    for depth in (3, 5):
+        cache = EarlyExitCache(tiny_config(decoder_layers=depth), strategy)
+        with pytest.raises(ValueError, match=f"The EarlyExitCache has {depth} layers, the decoder 4"):
+            model.generate(**tiny_inputs(), max_new_tokens=3, past_key_values=cache, **knobs)
+
+
+def test_a_cache_of_other_rows_is_refused_by_name():
+    model, inputs = tiny_model(decoder_layers=4), tiny_inputs()
+    first = model.generate(**inputs, max_new_tokens=3, exit_threshold=0.5, return_dict_in_generate=True)
+    with pytest.raises(ValueError, match="The cache passed in holds 2 rows, this call decodes 6"):
+        model.generate(
+            **inputs, decoder_input_ids=first.sequences, past_key_values=first.past_key_values, num_beams=3,
+            max_new_tokens=3, exit_threshold=0.5,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("knobs", "named"),
+    [
+        ({"encoder_exit_threshold": 0.0}, "['encoder_exit_threshold']"),
+        ({"exit_controller": {"encoder": FixedLayerExit(1)}}, """['exit_controller["encoder"]']"""),
+    ],
+)
+def test_encoder_exits_given_with_encoder_outputs_are_refused_by_name(knobs, named):
+    """They changed nothing, silently: the encoder had already run."""
+    model, inputs = tiny_model(decoder_layers=4), tiny_inputs()
+    encoder_outputs = model.get_encoder()(**inputs)
+    with pytest.raises(ValueError, match=f"{re.escape(named)} set the encoder's exits, but `encoder_outputs`"):
+        model.generate(encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"], max_new_tokens=3,
+                       **knobs)  # fmt: skip
+    model.generate(
+        encoder_outputs=encoder_outputs, attention_mask=inputs["attention_mask"], max_new_tokens=3, **NO_EXIT
+    )  # fmt: skip  (the saved or turned-off encoder knobs are no error)

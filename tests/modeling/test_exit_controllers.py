@@ -134,6 +134,48 @@ def test_scheduled_threshold_changes_the_decision_over_steps():
     assert controller(state(current, previous, step=10)).all()
 
 
+@pytest.mark.parametrize("schedule", ["constant", "mue_decay", "mue_official", "calm_decay"])
+@pytest.mark.parametrize("threshold", [0.9, [0.95, 0.9, 0.85, 0.8]])
+def test_a_step_per_row_decides_each_row_as_its_own_step_would(schedule, threshold):
+    """Speculative mode at batch > 1 gives each row its own step; with per-row thresholds, over compacted rows too."""
+    controller = SimilarityExit(threshold, schedule=schedule)
+    previous = torch.ones(3, 1, 4)
+    current = previous + torch.tensor([0.0, 0.0, 0.0, 0.8])  # cosine ~0.96, between the thresholds' steps
+    rows, steps = torch.tensor([0, 2, 3]), torch.tensor([0, 6, 15])
+    together = controller(state(current, previous, step=steps, rows=rows))
+    one_by_one = [
+        bool(controller(state(current[i : i + 1], previous[i : i + 1], step=int(steps[i]), rows=rows[i : i + 1])))
+        for i in range(3)
+    ]
+    assert together.tolist() == one_by_one
+
+
+def test_a_controllers_thresholds_per_row_are_per_decoded_row_and_the_error_says_so():
+    controller = SimilarityExit([0.5, 0.9])
+    current = torch.ones(4, 1, 4)
+    with pytest.raises(
+        ValueError, match="one per beam; the threshold knobs.* repeat a request's for them, a controller"
+    ):
+        controller(state(current))  # two requests of two beams each: four decoded rows
+
+
+def test_a_new_policy_on_threshold_exit_gets_thresholds_per_request_and_schedules():
+    from hf_earlyexit import ThresholdExit
+    from tests.helpers import tiny_inputs, tiny_model
+
+    class DepthExit(ThresholdExit):  # readiness: the share of the layers run
+        def score(self, state):
+            return torch.full((state.rows.shape[0],), state.layer / state.num_layers)
+
+    with pytest.raises(ValueError, match=r"must lie in \[0.0, 1.0\]"):
+        DepthExit(1.5)
+    model = tiny_model(decoder_layers=4)
+    out = model.generate(
+        **tiny_inputs(batch=2), exit_controller=DepthExit([0.2, 0.6]), max_new_tokens=3, return_dict_in_generate=True
+    )
+    assert out.exit_layers.tolist() == [[1, 1, 1], [3, 3, 3]]  # strictly above: 1/4 > 0.2, 3/4 > 0.6
+
+
 def test_patience_counts_unchanged_predictions_per_row_and_restarts_each_token():
     controller = PatienceExit(patience=2)
     a, b = torch.tensor([5.0, 0.0, 0.0]), torch.tensor([0.0, 5.0, 0.0])

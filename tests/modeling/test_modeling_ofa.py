@@ -500,6 +500,22 @@ def test_bad_forward_inputs_are_clear_errors():
         model(**inputs)
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda inputs: {"pixel_values": inputs["pixel_values"][:1]}, "`pixel_values` has 1 images for 3 rows"),
+        (lambda inputs: {"attention_mask": inputs["attention_mask"][:2]}, "`attention_mask` must have the text's"),
+        (lambda inputs: {"input_ids": inputs["input_ids"][:, :0], "attention_mask": None}, "has no token"),
+        (lambda inputs: {"pixel_values": torch.randn(3, 3, 15, 15)}, "smaller than one 16 px patch"),
+    ],
+)
+def test_encoder_inputs_that_disagree_are_refused_by_name(change, message):
+    """They failed deep in the model (a shape RuntimeError, an empty argmax, a convolution's kernel error)."""
+    inputs = tiny_inputs(batch=3)
+    with pytest.raises(ValueError, match=message):
+        tiny_model().generate(**{**inputs, **change(inputs)}, max_new_tokens=2)
+
+
 def test_layerdrop_skips_the_same_layers_in_both_encoder_streams():
     model = tiny_model(decompose_encoder_modalities=True, encoder_layerdrop=0.5, decoder_layerdrop=0.5).train()
     inputs = tiny_inputs()
@@ -510,6 +526,19 @@ def test_layerdrop_skips_the_same_layers_in_both_encoder_streams():
         assert torch.isfinite(out.loss)
         depths.add(len(out.encoder_hidden_states))
     assert len(depths) > 1  # layers were really dropped, and the two streams always agreed on which
+
+
+@pytest.mark.parametrize(
+    ("knobs", "name"),
+    [({"exit_threshold": 0.5}, "decoder_layerdrop"), ({"encoder_image_exit_threshold": 0.5}, "encoder_layerdrop")],
+)
+def test_exits_in_training_mode_with_layerdrop_are_refused_by_name(knobs, name):
+    """Exits test and count the layers in order: a decoder exit asked after a dropped layer failed with KeyError."""
+    model = tiny_model(decompose_encoder_modalities=True, encoder_layerdrop=0.5, decoder_layerdrop=0.5).train()
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=f"`{name}=0.5` drops layers at random in training mode: call `model.eval"):
+        model.generate(**tiny_inputs(), **knobs, max_new_tokens=3)
+    model.eval().generate(**tiny_inputs(), **knobs, max_new_tokens=3)
 
 
 def test_get_encoder_takes_the_base_class_modality():

@@ -147,6 +147,32 @@ def test_exit_layers_and_acceptance_statistics(model):
     assert bool((out.speculative_rounds >= (out.exit_layers == DEPTH).sum(dim=1)).all())
 
 
+class StepLog(FixedLayerExit):
+    """Drafts from layer 1, noting each row's `state.step`."""
+
+    def __init__(self):
+        super().__init__(1)
+        self.steps: dict[int, list[int]] = {}
+
+    def __call__(self, state):
+        steps = state.step if isinstance(state.step, torch.Tensor) else torch.full_like(state.rows, state.step)
+        for row, step in zip(state.rows.tolist(), steps.tolist(), strict=True):
+            self.steps.setdefault(row, []).append(step)
+        return super().__call__(state)
+
+
+def test_each_row_sees_its_own_step_as_rows_advance_apart(model):
+    log = StepLog()
+    out = speculative(model, mixed_lengths(4, seed=7), log, num_assistant_tokens=4)
+    assert len(set(out.accepted_tokens.tolist())) > 1  # the rows stand at different steps
+    new_tokens = (out.exit_layers > 0).sum(dim=1)
+    for row, steps in log.steps.items():
+        # A draft of new token t (0-based) sees step t; a row that ended rides along one past its last token, as in
+        # the full model's loop. A step counted in slots reached 12 here.
+        assert max(steps) <= min(int(new_tokens[row]), NEW_TOKENS - 1), (row, steps)
+        assert steps[0] == 0
+
+
 def test_a_call_with_more_rows_than_draft_max_batch_size_decodes_in_full(model):
     inputs = mixed_lengths(4, seed=2)
     expected = full_greedy(model, inputs)
@@ -490,7 +516,7 @@ def test_a_bad_saved_draft_threshold_is_refused_in_every_mode(model):
     [
         (dict(exit_mode="speculative", exit_threshold=0.5, num_beams=2), "num_beams"),
         (dict(exit_mode="speculative", exit_threshold=0.5, prompt_lookup_num_tokens=2), "prompt_lookup_num_tokens"),
-        (dict(exit_threshold=0.5, prompt_lookup_num_tokens=2), "lossy exits"),
+        (dict(exit_threshold=0.5, prompt_lookup_num_tokens=2), "lossy decoder exits"),
         (dict(exit_mode="speculative"), "exit_threshold"),
         (dict(exit_mode="speculative", exit_threshold=0.5, kv_strategy="copy"), "kv_strategy"),
         (dict(exit_mode="speculative", exit_threshold=0.5, row_exit="keep"), "row_exit"),
@@ -547,6 +573,29 @@ def test_without_exits_an_assistant_drafts_with_its_own_defaults_and_the_output_
     with torch.no_grad():
         assisted = model.generate(**inputs, max_new_tokens=NEW_TOKENS, assistant_model=assistant, **NO_EXIT)
     assert torch.equal(assisted, full_greedy(model, inputs))
+
+
+def test_assisted_decoding_reports_each_new_tokens_layers_and_takes_encoder_exits(model):
+    """One verification pass keeps several tokens: `exit_layers` had one entry per pass (6 for 19 tokens)."""
+    inputs = mixed_lengths(1)
+    for assisted in (dict(assistant_model=model), dict(prompt_lookup_num_tokens=3)):
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True, **assisted, **NO_EXIT)
+        assert torch.equal(out.sequences, full_greedy(model, inputs))
+        assert out.exit_layers.tolist() == [[DEPTH] * (out.sequences.shape[1] - 1)]
+    # Encoder exits leave the verification to the full decoder: the output is greedy's with the same encoder exit.
+    knobs = {**NO_EXIT, "encoder_exit_threshold": 0.0}
+    out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, prompt_lookup_num_tokens=3, **knobs)
+    assert torch.equal(out, model.generate(**inputs, max_new_tokens=NEW_TOKENS, **knobs))
+
+
+def test_generation_kwargs_forward_does_not_take_stay_with_generate(model):
+    """Transformers carries prefill's `position_ids` and an `assistant_model` it ignores under beams among the model
+    kwargs: each failed with `forward() got an unexpected keyword argument`."""
+    inputs = mixed_lengths(1)
+    chunked = model.generate(**inputs, max_new_tokens=NEW_TOKENS, prefill_chunk_size=2, **NO_EXIT)
+    assert torch.equal(chunked, full_greedy(model, inputs))
+    beams = dict(max_new_tokens=NEW_TOKENS, num_beams=2, **NO_EXIT)
+    assert torch.equal(model.generate(**inputs, assistant_model=model, **beams), model.generate(**inputs, **beams))
 
 
 def test_a_cache_passed_in_that_cannot_hold_exact_keys_and_values_is_refused_by_name(model):

@@ -335,6 +335,15 @@ def test_an_evaluations_generation_config_is_not_saved_as_the_models(tmp_path):
     assert saved.get("exit_threshold") is None and saved["max_new_tokens"] is None
 
 
+def test_arguments_with_an_evaluation_controller_print_and_log_as_json(tmp_path):
+    evaluation = GenerationConfig(max_new_tokens=3, exit_controller=FixedLayerExit(2))
+    args = arguments(tmp_path, generation_config=evaluation)
+    assert "'exit_controller': 'FixedLayerExit(2)'" in str(args)  # the stock text failed: JSON of the config
+    assert json.loads(args.to_json_string())["generation_config"]["exit_controller"] == "FixedLayerExit(2)"
+    assert "FixedLayerExit(2)" in args.to_sanitized_dict()["generation_config"]  # what TensorBoard logs
+    assert args.generation_config.exit_controller.layer == 2  # what the evaluation gets is the controller itself
+
+
 def test_resume_from_a_checkpoint_continues_the_same_loss_curve(tmp_path):
     def run(resume: bool):
         model = tiny_model(decoder_layers=DEPTH, exit_transformer_layers=[2])
@@ -512,6 +521,7 @@ def test_bad_arguments_raise(tmp_path, overrides, message):
         # No term at the last layer: a trainable backbone drifts from the full model (was trained, silently).
         ({}, dict(exit_loss="distill"), "exit_loss='distill' trains no term at the last layer.*freeze_backbone=True"),
         ({"exit_transformer_layers": [2]}, dict(exit_loss="adversarial"), "'adversarial' trains no term"),
+        ({"encoder_layerdrop": 0.5}, dict(encoder_exit_sampling=0.5), "`encoder_layerdrop` \\(0.5\\) would skip"),
     ],
 )
 def test_arguments_that_do_not_fit_the_model_raise(tmp_path, config, overrides, message):
@@ -599,11 +609,28 @@ def test_push_to_hub_uploads_remote_code_and_the_early_exit_card_from_the_main_p
     assert card.data.tags[-2:] == ["custom_code", "shapes"]  # the user's tags after the library's, once each
     assert "`exit_loss`: layerwise" in card.text and "`steps`: 2" in card.text
     assert "Not measured yet" in card.text  # no benchmark.jsonl in the output folder yet
+    # What the card says of its defaults and recipe is true: none calibrated, and the recipe file it cites is there.
+    assert "calibrated on held-out" not in card.text and "saves no exit defaults" in card.text
+    assert "`training_recipe.json` in this repository" in card.text
+    assert json.loads((output / "training_recipe.json").read_text())["options"]["steps"] == 2
 
     (output / "README.md").unlink()
     with mock.patch.object(trainer, "is_world_process_zero", return_value=False):
         trainer.create_model_card()
     assert not (output / "README.md").exists()
+
+
+def test_a_subclass_loss_is_recorded_as_its_own_in_the_card(tmp_path):
+    class ScaledLoss(EarlyExitTrainer):
+        def exit_loss_and_terms(self, *args, **kwargs):
+            loss, terms = super().exit_loss_and_terms(*args, **kwargs)
+            return 2 * loss, terms
+
+    trainer = ScaledLoss(model=tiny_model(decoder_layers=DEPTH), args=arguments(tmp_path), train_dataset=TinyCaptions())
+    trainer.train()
+    trainer.create_model_card()
+    recipe = json.loads((tmp_path / "out" / "training_recipe.json").read_text())
+    assert recipe["options"]["exit_loss"] == "ScaledLoss.exit_loss_and_terms (on 'layerwise')"
 
 
 @pytest.mark.parametrize("exit_loss", ["layerwise", "distill"])
