@@ -442,7 +442,7 @@ def tradeoff_plots(results: dict[str, list[dict]], tasks: list[str], output_dir:
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", type=Path, default=Path("out/methods"), help="where the results go")
     parser.add_argument("--runs-dir", type=Path, help="where the trained models go (default: OUTPUT_DIR/runs)")
     parser.add_argument("--quick", action="store_true", help="the reduced budget for a CPU (< 30 min on 2 cores)")

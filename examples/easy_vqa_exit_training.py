@@ -48,7 +48,7 @@ def arguments(output_dir: str, exit_loss: str, steps: int, batch_size: int, seed
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--caption-steps", type=int, default=1500, help="pre-training on the captions")
     parser.add_argument("--steps", type=int, default=1500, help="VQA fine-tuning, per exit loss")
     parser.add_argument("--adversarial-steps", type=int, default=600)

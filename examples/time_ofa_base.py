@@ -1,5 +1,6 @@
 """Wall-clock of an OFA-base-size model on this machine, in the setting of the official port's reference table
-(../shared/reference/ofa.md): random weights, float32, batch 1, 2 threads, an 8-token prompt, 16 new tokens.
+(docs/results.md, "Parity with the official OFA, and OFA-base speed", shows both): random weights, float32, batch 1,
+2 threads, an 8-token prompt, 16 new tokens.
 
     python examples/time_ofa_base.py [--image-size 384] [--repeats 3] [--device cuda --dtype bfloat16]
 

@@ -10,7 +10,7 @@ from hf_earlyexit.cli import add_training_arguments, parse_layers
 from hf_earlyexit.training import fine_tune
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_training_arguments(parser)
     parser.add_argument("--exit-layers", default="1,2,3", help="decoder layers that get an exit layer")
     parser.add_argument("--adversarial-weight", type=float, default=0.1)

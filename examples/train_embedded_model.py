@@ -133,7 +133,7 @@ def pretrain_image_stream(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", required=True, help="a new folder (last phase: hf_earlyexit/embedded_model)")
     parser.add_argument("--max-steps", type=int, default=4200)
     parser.add_argument("--batch-size", type=int, default=64)

@@ -12,7 +12,7 @@ from hf_earlyexit.cli import add_training_arguments
 from hf_earlyexit.training import fine_tune
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_training_arguments(parser)
     options = parser.parse_args()
     # MuE trains the modality-decomposed encoder, whose image and text streams can exit separately.

@@ -24,8 +24,11 @@ embeddings, output projection and the `generate` loop) and what a decoding step 
 loss, interleaved, to show what training the exits costs against plain fine-tuning.
 """
 
+import contextlib
 import dataclasses
+import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -651,15 +654,36 @@ def speculative_report(runs: dict[str, TaskRun], seconds: dict[str, float]) -> d
     }
 
 
+@contextlib.contextmanager
+def native_stderr_closed():
+    """The process's standard error sent nowhere: PyTorch's profiler (Kineto) prints its start and stop there from
+    C++, into the reports of `bench` and `demo`."""
+    sys.stderr.flush()
+    kept = os.dup(2)
+    with open(os.devnull, "w") as nowhere:
+        os.dup2(nowhere.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(kept, 2)
+        os.close(kept)
+
+
 def round_time_shares(model, processor, inputs: TaskInputs, knobs: dict, samples: int = 32) -> dict | None:
     """Where speculative mode's rounds spend their time, from one more pass over the first `samples` samples under
     `torch.profiler` (which slows it, so shares, not seconds; and it keeps every op's record, so not the whole
     split): drafting, verification, and the rest (acceptance, logits processors, bookkeeping), with the
     verification's milliseconds per round under the profiler; None when no round ran (no call drafted)."""
     batches = inputs.batches[: max(1, samples // inputs.batches[0]["input_ids"].shape[0])]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with native_stderr_closed():
+        profiler.start()
+    try:
         for batch in batches:
             run_batch(model, processor, inputs.task, batch, knobs)
+    finally:
+        with native_stderr_closed():
+            profiler.stop()
     events = {event.key: event for event in profiler.key_averages() if event.key.startswith("speculative.")}
     if "speculative.round" not in events:  # more rows than `draft_max_batch_size`: the full model decoded
         return None

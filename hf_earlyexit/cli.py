@@ -532,8 +532,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.exit_transformer_layers:
         config_fields["exit_transformer_layers"] = parse_layers(args.exit_transformer_layers)
     trainer = fine_tune(
-        args, config_fields, exit_loss=args.exit_loss, freeze_backbone=args.freeze_backbone, disable_tqdm=False
-    )
+        args, config_fields, exit_loss=args.exit_loss, exit_loss_weights=args.exit_loss_weights,
+        freeze_backbone=args.freeze_backbone, disable_tqdm=False,
+    )  # fmt: skip
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]  # none where a resumed run logged none
     losses = {key: round(value, 4) for key, value in (logged[-1] if logged else {}).items() if key.startswith("loss")}
     print(f"trained to step {trainer.state.global_step} with exit_loss={args.exit_loss!r}; last logged {losses}")
@@ -573,6 +574,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_arguments(train)
     train.add_argument(
         "--exit-loss", default="layerwise", help="layerwise (default), deep_supervision, distill, adversarial or none"
+    )
+    train.add_argument(
+        "--exit-loss-weights",
+        default="uniform",
+        help="uniform (default), increasing (CALM's: layer / depth) or one comma-separated weight per loss term",
     )
     train.add_argument("--exit-adapter-dim", type=positive_int, help="add DEED adaptation modules of this width")
     train.add_argument("--exit-transformer-layers", help="add BLIPEE exit layers after these decoder layers: 1,2,3")

@@ -45,7 +45,7 @@ def read_benchmark(path: str | Path) -> list[dict[str, Any]]:
 
 
 # The knobs that shape the lossy exits a record measured (speculative mode's own never reach them).
-LOSSY = [name for name in EXIT_KNOBS if name not in ("kv_strategy", *DRAFTING_KNOBS)]
+LOSSY = [name for name in EXIT_KNOBS if name not in DRAFTING_KNOBS]
 
 
 def record_settings(records: list[dict[str, Any]], defaults: dict[str, Any] | None = None) -> list[str]:
@@ -54,7 +54,7 @@ def record_settings(records: list[dict[str, Any]], defaults: dict[str, Any] | No
     with other settings than those defaults says so, since the card calls them the model's."""
     settings = [{**EXIT_KNOBS, **record["early_exit"].get("settings", {})} for record in records]
     shown = [name for name in EXIT_KNOBS if name not in ("kv_strategy", *DRAFTING_KNOBS)]
-    saved = None if defaults is None else {name: defaults.get(name, EXIT_KNOBS[name]) for name in shown}
+    saved = None if defaults is None else {name: defaults.get(name, EXIT_KNOBS[name]) for name in LOSSY}
     compared = settings if saved is None else [*settings, saved]
     differing = [name for name in shown if len({repr(s[name]) for s in compared}) > 1]
     described = []

@@ -24,6 +24,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
         ),
         ("train_blipee_adversarial.py", {"exit_transformer_layers": [1, 2, 3]}),
         ("train_blipee_distill.py", {"exit_transformer_layers": [1, 2, 3]}),
+        ("train_calm.py", {"exit_policy": "margin", "kv_strategy": "propagate"}),
     ],
 )
 def test_training_example_runs_and_saves_its_exit_heads(tmp_path, monkeypatch, script, heads):

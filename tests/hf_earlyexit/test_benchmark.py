@@ -1,6 +1,8 @@
 """The benchmark's ideal (a model truncated to K layers is exactly the full model forced to exit after K) and its
 clock (settings paired batch by batch)."""
 
+import sys
+
 import pytest
 import torch
 
@@ -101,6 +103,21 @@ def test_a_bad_dtype_device_or_count_is_named_before_any_work():
 def test_model_benchmark_needs_an_exit_setting():
     with pytest.raises(ValueError, match="No exit setting"):
         model_benchmark(tiny_model(), None, "vqa", {"kv_strategy": "copy"})
+
+
+def test_where_a_round_goes_is_profiled_without_the_profilers_own_lines(capfd):
+    """Kineto printed `profiler_start` / `profiler_stop` from C++ into `bench` and `demo` reports."""
+    from hf_earlyexit.evaluation import run_knobs, task_inputs
+    from hf_earlyexit.loading import EMBEDDED_MODEL_DIR, load_model_and_processor
+
+    model, processor = load_model_and_processor(EMBEDDED_MODEL_DIR)
+    inputs = task_inputs("caption", processor, "test", 2, 2)
+    capfd.readouterr()
+    shares = benchmark.round_time_shares(model, processor, inputs, run_knobs(model, exit_mode="speculative"), 2)
+    assert sum(shares[part] for part in ("draft", "verification", "bookkeeping")) == pytest.approx(1, abs=0.01)
+    assert "profiler" not in capfd.readouterr().err
+    print("still written", file=sys.stderr)  # the process's standard error is back
+    assert "still written" in capfd.readouterr().err
 
 
 def test_the_bench_times_the_part_costs_in_the_rounds_it_prices(monkeypatch):

@@ -154,7 +154,10 @@ def test_bench_training_step_times_each_exit_loss(capsys):
     assert report["ratio_to_none"]["layerwise"] > 0
 
 
-@pytest.mark.parametrize("exit_heads", [[], ["--exit-adapter-dim", "8", "--exit-loss", "deep_supervision"]])
+@pytest.mark.parametrize(
+    "exit_heads",
+    [[], ["--exit-adapter-dim", "8", "--exit-loss", "deep_supervision"], ["--exit-loss-weights", "increasing"]],
+)
 def test_train_saves_a_model_that_loads_with_its_exit_heads(tmp_path, capsys, exit_heads):
     from transformers import AutoModel
 
@@ -163,7 +166,7 @@ def test_train_saves_a_model_that_loads_with_its_exit_heads(tmp_path, capsys, ex
     assert main(argv) == 0
     assert "saved the model and processor" in capsys.readouterr().out
     model = AutoModel.from_pretrained(tmp_path / "trained", trust_remote_code=True)
-    assert model.config.exit_adapter_dim == (8 if exit_heads else None)
+    assert model.config.exit_adapter_dim == (8 if "--exit-adapter-dim" in exit_heads else None)
     assert (tmp_path / "trained" / "processor_config.json").is_file()
 
 
@@ -234,6 +237,8 @@ def test_train_refuses_what_it_would_overwrite_or_could_not_load_in_one_line(tmp
     with pytest.raises(SystemExit) as exited:  # a width of 0 is no width, not "no heads"
         main([*TRAIN, shapes, "--output-dir", str(tmp_path / "zero"), "--exit-adapter-dim", "0"])
     assert exited.value.code == 2 and "--exit-adapter-dim" in capsys.readouterr().err
+    assert main([*TRAIN, shapes, "--output-dir", str(tmp_path / "weights"), "--exit-loss-weights", "1,2"]) == 2
+    assert "`exit_loss_weights` has 2 weights, but exit_loss='layerwise' has" in capsys.readouterr().err
     for rate in ("inf", "0", "nan"):  # inf trained to NaN weights and 0 trained nothing, each saved as a model
         with pytest.raises(SystemExit):
             main([*TRAIN, shapes, "--output-dir", str(tmp_path / "rate"), "--learning-rate", rate])

@@ -125,6 +125,9 @@ def test_a_record_measured_with_other_settings_than_the_saved_defaults_says_so()
     recalibrated = {**KNOBS, "exit_threshold": 0.6}
     rows = measured_table([RECORD], recalibrated).splitlines()[2:]
     assert rows[0].endswith("| propagate; exit_threshold=0.9 (not the saved defaults) |")
+    copied = {**RECORD, "early_exit": {**RECORD["early_exit"], "settings": {**KNOBS, "kv_strategy": "copy"}}}
+    rows = measured_table([RECORD, copied], KNOBS).splitlines()[2:]  # the copy row was shown as the defaults'
+    assert rows[0].endswith("| propagate |") and rows[1].endswith("| copy (not the saved defaults) |")
 
 
 def test_a_draft_vocabulary_is_counted_in_the_card_and_never_marks_a_lossy_record_stale():
