@@ -309,7 +309,7 @@ class OFAEarlyExitConfig(PreTrainedConfig):
         """Every field and exit knob, a ValueError naming the first that is wrong. The model checks its config again:
         `from_pretrained(..., field=value)` sets its overrides after the config was built."""
         self.validate_architecture()
-        check_knobs({name: getattr(self, name, default) for name, default in EXIT_KNOBS.items()}, self)
+        check_knobs({name: getattr(self, name, default) for name, default in EXIT_KNOBS.items()}, self, resolved=False)
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs) -> "OFAEarlyExitConfig":

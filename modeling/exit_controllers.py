@@ -34,8 +34,9 @@ class ExitState:
     part: "decoder" | "encoder_image" | "encoder_text" | "encoder".
     layer: 1-based count of layers of that part run so far.
     step: decoding step, 0-based: the new tokens decoded before this one (after a decoder prompt; 0 in the encoder).
-        An int, one step for the batch; a LongTensor[rows] in speculative mode at batch > 1, where rows advance on
-        their own (a row that accepts more drafts stands further on).
+        An int, one step for the batch; in speculative mode at batch > 1 (more rows than `draft_max_batch_size`
+        excepted: the full model decodes), a LongTensor[rows] at every step, since rows advance on their own (a row
+        that accepts more drafts stands further on).
     hidden_states: this layer's output for the active rows, [rows, length, d_model].
     previous_hidden_states: its input, same shape.
     rows: indices of the active rows in the batch, [rows]: in the rows `generate` decodes, so under beam search or
@@ -77,6 +78,11 @@ class ExitState:
         return self._logits
 
 
+def options_text(first: object, attributes: dict, first_name: str) -> str:
+    """`first`, then every other attribute as `name=value`: a repr that tells two objects of a class apart."""
+    return ", ".join([repr(first), *(f"{name}={value!r}" for name, value in attributes.items() if name != first_name)])
+
+
 def exp(value: "float | torch.Tensor") -> "float | torch.Tensor":
     return torch.exp(value) if isinstance(value, torch.Tensor) else math.exp(value)
 
@@ -91,8 +97,8 @@ class ThresholdSchedule:
     def __call__(self, step: "int | torch.Tensor", max_steps: int) -> "float | torch.Tensor":
         return self.threshold
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.threshold})"
+    def __repr__(self) -> str:  # with every option: calibration tells settings apart by it
+        return f"{type(self).__name__}({options_text(self.threshold, vars(self), 'threshold')})"
 
 
 class ConstantSchedule(ThresholdSchedule):
@@ -208,12 +214,12 @@ class ThresholdExit(ExitController):
 
     def __call__(self, state: ExitState) -> torch.BoolTensor:
         score = self.score(state)
-        threshold = self.threshold(state)
+        threshold = self.row_thresholds(state)
         if isinstance(threshold, torch.Tensor):
             threshold = threshold.to(score.device, score.dtype)
         return score > threshold
 
-    def threshold(self, state: ExitState) -> "float | torch.Tensor":
+    def row_thresholds(self, state: ExitState) -> "float | torch.Tensor":
         """The running rows' thresholds, [rows] (or one number for all): the schedule at each row's step, for each row
         of the batch where the threshold is one per row."""
         base, step = self.schedule.threshold, state.step
@@ -235,7 +241,7 @@ class ThresholdExit(ExitController):
             ) from None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.schedule!r})"
+        return f"{type(self).__name__}({options_text(self.schedule, vars(self), 'schedule')})"
 
 
 class SimilarityExit(ThresholdExit):

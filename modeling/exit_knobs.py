@@ -11,6 +11,7 @@ read it.
 
 import difflib
 import functools
+import math
 import numbers
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, get_args
@@ -107,8 +108,10 @@ POLICY_RANGES: dict[str, tuple[float, float]] = {
 }
 
 
-def check_knobs(values: dict[str, Any], config: Any) -> None:
-    """Type and range checks of the JSON knobs in `values` against `config`'s depths; a ValueError names the knob."""
+def check_knobs(values: dict[str, Any], config: Any, resolved: bool = True) -> None:
+    """Type and range checks of the JSON knobs in `values` against `config`'s depths; a ValueError names the knob.
+    `resolved`: `values` are what a call runs with, so a decoder threshold must lie in its policy's range; a model
+    config's own knobs (not resolved: a generation config may set another policy) need only be finite."""
     for name, choices in CHOICES.items():
         if name in values and values[name] not in choices:
             raise ValueError(f"Unknown `{name}` {values[name]!r}; choose one of {list(choices)}.")
@@ -125,7 +128,7 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
             f"`max_exit_layer` ({values['max_exit_layer']}) must not be below `min_exit_layer` "
             f"({values.get('min_exit_layer', 1)})."
         )
-    check_thresholds(values)
+    check_thresholds(values, by_policy=resolved)
     check_patience(values, config)
     check_batch_rules(values)
     check_draft_batch_size(values.get("draft_max_batch_size"))
@@ -133,8 +136,9 @@ def check_knobs(values: dict[str, Any], config: Any) -> None:
     check_encoder_parts({part for part in ENCODER_PARTS if values.get(f"{part}_exit_threshold") is not None}, config)
 
 
-def check_thresholds(values: dict[str, Any]) -> None:
-    """Each threshold knob in `values`: a number or one per row, within the range of its policy's score."""
+def check_thresholds(values: dict[str, Any], by_policy: bool = True) -> None:
+    """Each threshold knob in `values`: a finite number or one per row, within its score's range (the encoder's
+    similarity; with `by_policy`, the decoder's and the drafts' policy's)."""
     for name, bounds in THRESHOLD_RANGES.items():
         threshold = values.get(name)
         if threshold is None:
@@ -145,6 +149,10 @@ def check_thresholds(values: dict[str, Any]) -> None:
             raise ValueError(
                 f"`{name}` must be a number, one number per row (a list or 1-D tensor), or None, got {threshold!r}."
             )
+        if not all(math.isfinite(value) for value in per_row):
+            raise ValueError(f"`{name}` must be finite, got {threshold}.")
+        if bounds is None and not by_policy:
+            continue
         policy = threshold_policy(name, values)
         bounds = bounds or POLICY_RANGES.get(policy)
         if bounds is not None and not all(bounds[0] <= value <= bounds[1] for value in per_row):
@@ -374,6 +382,7 @@ __all__ = [
     "check_encoder_parts",
     "check_knobs",
     "check_not_misspelt",
+    "check_thresholds",
     "drafts_with_exit_knobs",
     "non_default_knobs",
     "resolve_knobs",

@@ -35,7 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .configuration_ofa import PATCH_STEM, RESNET_LAYERS, OFAEarlyExitConfig
 from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitState, checked_decision
-from .exit_knobs import ENCODER_PARTS, EXIT_KNOBS
+from .exit_knobs import ENCODER_PARTS, EXIT_KNOBS, check_thresholds
 from .generation_early_exit import EarlyExitGenerationMixin, EarlyExitSettings, new_cache, with_cross_attention_cache
 from .row_exits import ActiveRows, LayerCosts, RowExits, random_state_kept, select_rows
 
@@ -1641,14 +1641,18 @@ class OFADecoder(nn.Module):
 
     @staticmethod
     def new_tokens_before(
-        past: int, exit_settings: EarlyExitSettings, position_ids: torch.Tensor | None
+        past: int, exit_settings: EarlyExitSettings, position_ids: torch.Tensor | None, tokens: torch.Tensor
     ) -> int | torch.Tensor:
-        """The tokens generated before this step's, after the decoder prompt: its slot's, one count for the batch;
-        per row, LongTensor[batch], in speculative mode with `position_ids`, where rows skip the slots of their
-        rejected drafts and stand at their own steps (positions count a row's real tokens)."""
-        prompt = exit_settings.prompt_length
-        if exit_settings.exit_mode != "speculative" or position_ids is None or not 1 <= prompt <= past:
-            return max(past + 1 - prompt, 0)
+        """The tokens generated before this step's (`tokens` [batch, q]), after the decoder prompt: by slot, one count
+        for the batch; in speculative mode at batch > 1, per row (LongTensor[batch]), since rows skip the slots of
+        their rejected drafts and stand at their own steps (`position_ids` count a row's real tokens). At batch 1
+        speculative mode crops every rejected slot, so slots count."""
+        prompt, batch = exit_settings.prompt_length, tokens.shape[0]
+        steps = max(past + 1 - prompt, 0)
+        if exit_settings.exit_mode != "speculative" or batch == 1:
+            return steps
+        if position_ids is None or not 1 <= prompt <= past:  # no row skipped a slot yet
+            return torch.full((batch,), steps, dtype=torch.long, device=tokens.device)
         return (position_ids[:, past] - position_ids[:, prompt - 1]).clamp(min=0)
 
     def finished_rows(
@@ -1740,7 +1744,7 @@ class OFADecoder(nn.Module):
         layer_outputs, exit_states, state = [(hidden_states, None, None)], [], None  # (states, attentions) per layer
         asked = exit_settings.asked_layers(self.exit_points, len(layers)) if exit_settings is not None else ()
         vocabulary = self.draft_vocabulary(exit_settings, self_cache, device) if asked else None
-        new_tokens = self.new_tokens_before(past, exit_settings, position_ids) if asked else 0
+        new_tokens = self.new_tokens_before(past, exit_settings, position_ids, tokens) if asked else 0
         for count, idx in enumerate(layers, start=1):
             if self_cache is not None:  # earlier tokens' empty slots in this layer, before it reads them
                 self.complete_layer(idx, exits.running, past_key_values, step, attention_mask, encoder_outputs)
@@ -1928,10 +1932,13 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
                         f"The {source}'s `{name}` ({type(getattr(config, name)).__name__}) cannot be saved as JSON: "
                         "give it to `generate` per call, and save a JSON value (None, a number, a list) in its place."
                     ) from None
-        try:  # the defaults every `generate` call starts from: a bad one would fail each of them after loading
-            EarlyExitSettings.from_knobs(self.config, self.generation_config)
+        # The thresholds a call starts from, each in its policy's range: NaN was written into the JSON.
+        saved = {name: getattr(self.generation_config, name, getattr(self.config, name, value))
+                 for name, value in EXIT_KNOBS.items()}  # fmt: skip
+        try:
+            check_thresholds(saved)
         except ValueError as error:
-            raise ValueError(f"Not saved: the saved exit defaults would fail every `generate`: {error}") from None
+            raise ValueError(f"Not saved: {error}") from None
         # An auto-created generation config is saved with `_from_model_config: true`, and its unknown keys (the
         # exit knobs calibration writes there) would then be dropped on reload.
         if any(hasattr(self.generation_config, name) for name in EXIT_KNOBS):
@@ -1953,7 +1960,9 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
         decoder_input_ids = decoder_input_ids.clone(memory_format=torch.contiguous_format)
         # The encoder ran before the first step: its outputs replace the image, whatever the iteration. Transformers
         # carries more than `forward` takes among the model kwargs (tokenizers, an assistant, prefill's positions).
-        taken = forward_parameters(type(self)) - {"labels", "pixel_values", "decoder_input_ids"}
+        # A subclass's `forward(*args, **kwargs)` that calls this one's takes what this one names.
+        taken = forward_parameters(type(self)) | forward_parameters(EarlyExitOFAForConditionalGeneration)
+        taken -= {"labels", "pixel_values", "decoder_input_ids"}
         return {"decoder_input_ids": decoder_input_ids, **{k: v for k, v in kwargs.items() if k in taken}}
 
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:

@@ -447,9 +447,13 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             "seed": args.seed,
         }
         model = self.accelerator.unwrap_model(self.model)
-        recipe = {"script": "EarlyExitTrainer", "options": options, "parameters": model.num_parameters()}
-        # The card cites the recipe file, which `hf-earlyexit publish` carries on.
-        (output / "training_recipe.json").write_text(json.dumps(recipe, indent=2, default=str) + "\n")
+        # The card cites the recipe file, which `hf-earlyexit publish` carries on: a script's own is kept, and shown.
+        recipe_file = output / "training_recipe.json"
+        if recipe_file.is_file():
+            recipe = json.loads(recipe_file.read_text())
+        else:
+            recipe = {"script": "EarlyExitTrainer", "options": options, "parameters": model.num_parameters()}
+            recipe_file.write_text(json.dumps(recipe, indent=2, default=str) + "\n")
         card = render_model_card(
             self.hub_model_id or model_name or output.name,
             model.config.to_dict(),

@@ -977,25 +977,54 @@ def test_bad_config_defaults_are_refused():
         tiny_model(min_exit_layer=9)
     with pytest.raises(ValueError, match="draft_vocabulary"):
         tiny_model(draft_vocabulary=[3, 120])  # the tiny vocabulary ends at 119
-    # A threshold outside its policy's range failed only at `generate`, after being saved; a wrong type was
-    # `@strict`'s own exception, not a ValueError.
+    # A threshold that is no number was saved; a wrong type was `@strict`'s own exception, not a ValueError.
     for fields, message in (
-        ({"exit_threshold": float("nan")}, "similarity score's threshold and must lie in"),
-        ({"exit_threshold": -0.5, "exit_policy": "confidence"}, "confidence score's threshold"),
-        ({"exit_threshold": 0.5, "exit_policy": "patience"}, "patience policy is a layer count"),
+        ({"exit_threshold": float("nan")}, "`exit_threshold` must be finite"),
         ({"min_exit_layer": 2.0}, "Config field `min_exit_layer`: .*expected int, got float"),
         ({"batch_stop_fraction": "0.5"}, "Config field `batch_stop_fraction`"),
     ):
         with pytest.raises(ValueError, match=message):
             tiny_model(**fields)
+    # Its policy's range is checked on what a call runs with: a generation config may set another policy.
+    for fields, message in (
+        ({"exit_threshold": -0.5, "exit_policy": "confidence"}, "confidence score's threshold"),
+        ({"exit_threshold": 0.5, "exit_policy": "patience"}, "patience policy is a layer count"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            tiny_model(**fields).generate(**tiny_inputs(), max_new_tokens=2)
 
 
-def test_saved_exit_defaults_that_would_fail_every_generate_are_not_saved(tmp_path):
+def test_saved_thresholds_out_of_their_policys_range_are_not_saved_and_others_are(tmp_path):
     model = tiny_model()
     model.generation_config.exit_threshold = float("nan")  # was written into the JSON
-    with pytest.raises(ValueError, match="Not saved: .* `exit_threshold` is a similarity score's threshold"):
+    with pytest.raises(ValueError, match="Not saved: `exit_threshold` must be finite"):
+        model.save_pretrained(tmp_path)
+    model.generation_config.exit_threshold, model.generation_config.exit_policy = 0.5, "patience"
+    with pytest.raises(ValueError, match="Not saved: `exit_threshold` of the patience policy is a layer count"):
         model.save_pretrained(tmp_path)
     assert not (tmp_path / "generation_config.json").exists()
+    # Saved defaults that do not fit another setting of the config (stream thresholds on a joint encoder) are a
+    # call's to override: they save, as the Trainer's checkpoints need.
+    model = tiny_model(decompose_encoder_modalities=True)
+    model.generation_config.encoder_image_exit_threshold = 0.9
+    model.config.decompose_encoder_modalities = False
+    model.save_pretrained(tmp_path)
+    # A threshold given to `from_pretrained` is checked against the policy a call runs with (the saved patience).
+    model = tiny_model(decoder_layers=4)
+    model.generation_config.exit_policy, model.generation_config.exit_threshold = "patience", 2
+    model.save_pretrained(tmp_path / "patience")
+    loaded = type(model).from_pretrained(tmp_path / "patience", exit_threshold=3)
+    loaded.generate(**tiny_inputs(), max_new_tokens=2)
+
+
+def test_a_subclass_whose_forward_takes_keywords_generates():
+    class Logged(type(tiny_model())):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    model = Logged(tiny_config())
+    out = model.generate(**tiny_inputs(), max_new_tokens=3, exit_threshold=0.5, return_dict_in_generate=True)
+    assert out.exit_layers.shape == (2, 3)
 
 
 def test_a_user_controller_sees_the_documented_state(model):

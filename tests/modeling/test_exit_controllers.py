@@ -150,6 +150,14 @@ def test_a_step_per_row_decides_each_row_as_its_own_step_would(schedule, thresho
     assert together.tolist() == one_by_one
 
 
+def test_a_controllers_repr_names_every_option():
+    """Calibration and reports tell settings apart by it: two measures or reductions printed alike."""
+    texts = {repr(c) for c in (ConfidenceExit(0.5), ConfidenceExit(0.5, measure="margin"), SimilarityExit(0.5),
+                               SimilarityExit(0.5, reduction="batch"), SimilarityExit(MuEPaperSchedule(0.5, beta=0.8)),
+                               SimilarityExit(MuEPaperSchedule(0.5)))}  # fmt: skip
+    assert len(texts) == 6
+
+
 def test_a_controllers_thresholds_per_row_are_per_decoded_row_and_the_error_says_so():
     controller = SimilarityExit([0.5, 0.9])
     current = torch.ones(4, 1, 4)
@@ -169,6 +177,13 @@ def test_a_new_policy_on_threshold_exit_gets_thresholds_per_request_and_schedule
 
     with pytest.raises(ValueError, match=r"must lie in \[0.0, 1.0\]"):
         DepthExit(1.5)
+
+    class KeptThreshold(DepthExit):  # a subclass's own attribute named like the base's method
+        def __init__(self, threshold):
+            super().__init__(threshold)
+            self.threshold = threshold
+
+    assert KeptThreshold(0.2)(state(torch.ones(1, 1, 4), layer=2)).tolist() == [True]  # 2 / 6 > 0.2
     model = tiny_model(decoder_layers=4)
     out = model.generate(
         **tiny_inputs(batch=2), exit_controller=DepthExit([0.2, 0.6]), max_new_tokens=3, return_dict_in_generate=True

@@ -153,8 +153,10 @@ class StepLog(FixedLayerExit):
     def __init__(self):
         super().__init__(1)
         self.steps: dict[int, list[int]] = {}
+        self.kinds: set[type] = set()
 
     def __call__(self, state):
+        self.kinds.add(type(state.step))
         steps = state.step if isinstance(state.step, torch.Tensor) else torch.full_like(state.rows, state.step)
         for row, step in zip(state.rows.tolist(), steps.tolist(), strict=True):
             self.steps.setdefault(row, []).append(step)
@@ -171,6 +173,10 @@ def test_each_row_sees_its_own_step_as_rows_advance_apart(model):
         # the full model's loop. A step counted in slots reached 12 here.
         assert max(steps) <= min(int(new_tokens[row]), NEW_TOKENS - 1), (row, steps)
         assert steps[0] == 0
+    assert log.kinds == {torch.Tensor}  # one type through the call, not an int until a row first skips a slot
+    alone = StepLog()
+    speculative(model, mixed_lengths(1), alone, num_assistant_tokens=4)
+    assert alone.kinds == {int}  # at batch 1 every rejected slot is cropped: one step for the batch
 
 
 def test_a_call_with_more_rows_than_draft_max_batch_size_decodes_in_full(model):

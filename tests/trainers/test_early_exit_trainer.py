@@ -631,6 +631,12 @@ def test_a_subclass_loss_is_recorded_as_its_own_in_the_card(tmp_path):
     trainer.create_model_card()
     recipe = json.loads((tmp_path / "out" / "training_recipe.json").read_text())
     assert recipe["options"]["exit_loss"] == "ScaledLoss.exit_loss_and_terms (on 'layerwise')"
+    # A script's own recipe file is kept, and the card shows it (it was overwritten with the shorter one).
+    own = {"script": "my_training.py", "options": {"phases": 3}}
+    (tmp_path / "out" / "training_recipe.json").write_text(json.dumps(own))
+    trainer.create_model_card()
+    assert json.loads((tmp_path / "out" / "training_recipe.json").read_text()) == own
+    assert "`phases`: 3" in (tmp_path / "out" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("exit_loss", ["layerwise", "distill"])
