@@ -95,8 +95,14 @@ def fastest_within_tolerance(
     """The point with the largest expected time reduction whose quality is at least (1 - tolerance) x the full
     model's (ties: the higher quality); None if no point qualifies."""
     check_tolerance(tolerance)
-    eligible = [p for p in points if within_tolerance(p.quality, full_quality, tolerance)]
+    eligible = [p for p in points if saves_time(p) and within_tolerance(p.quality, full_quality, tolerance)]
     return max(eligible, key=lambda p: (p.expected_time_reduction, p.quality), default=None)
+
+
+def saves_time(point: OperatingPoint) -> bool:
+    """Whether a setting is expected to be faster than the full model: one that is not (its exit tests cost more than
+    the layers it skips) is never chosen, since the full model is then better in both quality and time."""
+    return point.expected_time_reduction > 0
 
 
 def settings_key(settings: dict[str, Any]) -> str:
@@ -222,18 +228,18 @@ def fastest_for_every_task(
 
 def fastest_on_every_task(eligible: dict[str, Sequence[OperatingPoint]]) -> dict[str, Any] | None:
     """Among the settings eligible on every task (per task, its eligible points), the one with the largest mean
-    expected time reduction; None if no setting is eligible on all."""
+    expected time reduction, if above 0 (`saves_time`); None if no setting is eligible on all and saves time."""
     by_setting: dict[str, list[OperatingPoint]] = {}
     for points in eligible.values():
         for point in points:
             by_setting.setdefault(settings_key(point.settings), []).append(point)
-    complete = {key: points for key, points in by_setting.items() if len(points) == len(eligible)}
-    best = max(
-        complete.items(),
-        key=lambda item: sum(p.expected_time_reduction for p in item[1]) / len(item[1]),
-        default=None,
-    )
-    return None if best is None else dict(best[1][0].settings)
+    complete = [
+        OperatingPoint(points[0].settings, 0.0, sum(p.expected_time_reduction for p in points) / len(points))
+        for points in by_setting.values()
+        if len(points) == len(eligible)
+    ]
+    best = max(filter(saves_time, complete), key=lambda point: point.expected_time_reduction, default=None)
+    return None if best is None else dict(best.settings)
 
 
 def with_encoder_min_exit_layer(settings: dict[str, Any], points: Sequence[OperatingPoint]) -> dict[str, Any]:
@@ -477,14 +483,18 @@ def chosen_report(point: OperatingPoint, full: OperatingPoint) -> dict[str, Any]
 def not_chosen(report: dict[str, Any]) -> str:
     """Why a calibration report chose nothing, in one line (with a risk: the samples that would have certified)."""
     if "risk_level" not in report:
-        return f"No setting keeps every task within {report['tolerance']:.1%} of the full model"
+        return (
+            f"No setting keeps every task within {report['tolerance']:.1%} of the full model and is expected to be "
+            "faster than it"
+        )
     needed = {
         name: task["certificate"].get("stopped_at", {}).get("samples_needed") for name, task in report["tasks"].items()
     }
     levels = ", ".join(f"{name} {level:.1%}" for name, level in report["risk_level"].items())
     return (
-        f"No setting is certified on every task at its risk level ({levels}; delta {report['delta']}); tested "
-        f"samples that would certify where each task's sequence stopped: {needed}"
+        f"No setting is certified on every task at its risk level ({levels}; delta {report['delta']}) and expected "
+        f"to be faster than the full model; tested samples that would certify where each task's sequence stopped: "
+        f"{needed}"
     )
 
 
@@ -512,8 +522,24 @@ def write_together(folder: str | Path, records: dict[str, dict[str, Any]], gener
         generation_config.save_pretrained(scratch)
         for name, record in records.items():
             Path(scratch, name).write_text(json.dumps(record, indent=2) + "\n")
-        for path in sorted(Path(scratch).iterdir()):
-            path.replace(Path(folder, path.name))
+        moved: list[tuple[Path, Path | None]] = []  # (file replaced, its earlier version kept in the scratch folder)
+        try:
+            for path in sorted(Path(scratch).iterdir()):
+                target, kept = Path(folder, path.name), None
+                if target.is_dir():
+                    raise IsADirectoryError(f"{target} is a folder, where the calibration writes a file.")
+                if target.exists():
+                    kept = path.with_name(f"{path.name}.before")
+                    target.replace(kept)
+                moved.append((target, kept))
+                path.replace(target)
+        except OSError:  # a later file could not be replaced: the earlier ones go back to what they were
+            for target, kept in reversed(moved):
+                if kept is not None:
+                    kept.replace(target)
+                else:
+                    target.unlink(missing_ok=True)
+            raise
 
 
 __all__ = [

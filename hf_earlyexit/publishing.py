@@ -7,6 +7,7 @@ the repository and uploads the folder. The card comes from `hf_earlyexit.model_c
 `EarlyExitTrainer(push_to_hub=True)` writes the same card.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .loading import check_model_dir, load_model_and_processor
+from .loading import check_model_dir, json_object, load_model_and_processor
 from .model_cards import measured_table, read_benchmark, render_model_card
 from .modeling import EarlyExitOFAForConditionalGeneration
 from .modeling.exit_controllers import FixedLayerExit
@@ -77,6 +78,20 @@ def assemble(
     `RECORDS`, the plot and the card. `benchmark`: files of `bench --json` lines (default the folder's
     benchmark.jsonl); `plot`: a PNG (default the folder's tradeoff.png). `card_fields` go to `render_model_card`.
     Refuses a card without measured numbers and an `output_dir` that holds something other than a model folder."""
+    move_into(*staged_assembly(model_dir, output_dir, repo_id, benchmark, plot, **card_fields))
+    return Path(output_dir)
+
+
+def staged_assembly(
+    model_dir: str | Path,
+    output_dir: str | Path,
+    repo_id: str,
+    benchmark: list[str | Path] | None = None,
+    plot: str | Path | None = None,
+    **card_fields,
+) -> tuple[Path, Path, bool]:
+    """`assemble`'s folder, whole, in a staging folder beside `output_dir`: (staging, the folder it is to replace,
+    whether that holds an earlier assembly). `move_into` puts it in place; a failure here leaves no staging folder."""
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     check_repo_id(repo_id)
     config = check_model_dir(model_dir)
@@ -102,18 +117,28 @@ def assemble(
         raise ValueError(f"The model folder {model_dir} has the name of {output_dir}'s staging folder: move it.")
     if staging.exists():
         shutil.rmtree(staging)
-    processor.save_pretrained(staging)
-    model.save_pretrained(staging)  # safetensors, config (auto_map) and the remote-code files
-    for name in RECORDS:
-        if (model_dir / name).is_file():
-            shutil.copy(model_dir / name, staging / name)
-    (staging / "benchmark.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
-    if plot is not None:
-        shutil.copy(plot, staging / "tradeoff.png")
-    write_card(staging, model, config, records, repo_id, plot is not None, card_fields)
-    (staging / ASSEMBLY_MANIFEST).write_text("".join(f"{path.name}\n" for path in sorted(staging.iterdir())))
-    move_into(staging, target, replacing)
-    return output_dir
+    with removed_on_failure(staging):
+        processor.save_pretrained(staging)
+        model.save_pretrained(staging)  # safetensors, config (auto_map) and the remote-code files
+        for name in RECORDS:
+            if (model_dir / name).is_file():
+                shutil.copy(model_dir / name, staging / name)
+        (staging / "benchmark.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+        if plot is not None:
+            shutil.copy(plot, staging / "tradeoff.png")
+        write_card(staging, model, config, records, repo_id, plot is not None, card_fields)
+        (staging / ASSEMBLY_MANIFEST).write_text("".join(f"{path.name}\n" for path in sorted(staging.iterdir())))
+    return staging, target, replacing
+
+
+@contextlib.contextmanager
+def removed_on_failure(staging: Path):
+    """`staging` removed if the work inside fails or is interrupted: an earlier assembly stays as it was."""
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def checked_plot(model_dir: Path, plot: str | Path | None) -> Path | None:
@@ -146,14 +171,18 @@ def write_card(
 ) -> None:
     """The model card, README.md, of an assembled `folder` from its records and the model's saved defaults."""
     recipe_file, calibration_file = folder / "training_recipe.json", folder / "calibration.json"
+    try:
+        table = measured_table(records, model.generation_config.to_dict())
+    except (TypeError, KeyError, AttributeError) as error:  # the keys are there, their values are not bench's
+        raise ValueError(f"A benchmark record is not what `hf-earlyexit bench --json` prints ({error!r}).") from None
     card = render_model_card(
         repo_id,
         config,
         model.generation_config.to_dict(),
-        measured_table(records, model.generation_config.to_dict()),
-        recipe=json.loads(recipe_file.read_text()) if recipe_file.is_file() else None,
+        table,
+        recipe=json_object(recipe_file) if recipe_file.is_file() else None,
         plot="tradeoff.png" if plot else None,
-        calibration=json.loads(calibration_file.read_text()) if calibration_file.is_file() else None,
+        calibration=json_object(calibration_file) if calibration_file.is_file() else None,
         **card_fields,
     )
     (folder / "README.md").write_text(card)
@@ -309,10 +338,12 @@ def publish(
         raise ValueError("No Hugging Face token: set HF_TOKEN, run `hf auth login`, or pass --token.")
     folder = Path(output_dir or repo_id.split("/")[-1])
     say(progress, f"assembling {folder}")
-    folder = assemble(model_dir, folder, repo_id, **assemble_kwargs)
-    check_card(folder)
-    say(progress, "validating: a fresh process, without hf_earlyexit, loads it with remote code and generates")
-    report = validate_folder(folder)
+    staging, target, replacing = staged_assembly(model_dir, folder, repo_id, **assemble_kwargs)
+    with removed_on_failure(staging):  # validated before it replaces an earlier assembly
+        check_card(staging)
+        say(progress, "validating: a fresh process, without hf_earlyexit, loads it with remote code and generates")
+        report = validate_folder(staging)
+    move_into(staging, target, replacing)
     if dry_run:
         return Published(folder, None, report)
     say(progress, f"uploading to {repo_id}")

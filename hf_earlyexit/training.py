@@ -122,6 +122,8 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
         dataset = load_image_text_dataset(options.dataset, options.split, columns)
     if options.model_dir:
         model, processor = load_model_and_processor(options.model_dir, **config_fields)
+    elif checkpoint is not None:  # a new model's run: its tokenizer, which one trained on other data would not match
+        model, processor = load_model_and_processor(checkpoint, **config_fields)
     else:
         model, processor = small_model_and_processor(tokenizer_texts(dataset, *columns[1:], prompt), **config_fields)
     # Without an accelerator the processes of `accelerate launch` form a data-parallel group only on the CPU backend.

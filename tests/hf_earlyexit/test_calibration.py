@@ -164,12 +164,14 @@ def test_calibrate_with_a_risk_orders_on_a_tenth_and_certifies_on_the_rest(tmp_p
     model, processor, _ = task_setup("vqa", samples=8)
     # Threshold 1.0 never exits (no answer differs); 0.0 exits every token after layer 1.
     sweep = dict(samples=8, batch_size=2, decoder_thresholds={"confidence": (1.0, 0.0)}, encoder_thresholds=())
-    report = calibrate(model, processor, ["vqa"], **sweep, risk=0.5, delta=0.2, progress=False, write_to=tmp_path)
+    report = calibrate(model, processor, ["vqa"], **sweep, risk=0.5, delta=0.2, progress=False)
     certificate = report["tasks"]["vqa"]["certificate"]
-    assert report["chosen"] == {"exit_policy": "confidence", "exit_threshold": 1.0}
     assert (certificate["ordering_samples"], certificate["tested_samples"]) == (2, 6)  # a tenth, two at least
-    assert certificate["empirical_risk"] == 0 and certificate["p_value"] == pytest.approx(0.5**6)  # no error in 6
-    assert json.loads((tmp_path / "calibration.json").read_text())["tasks"]["vqa"]["certificate"] == certificate
+    # Threshold 1.0 is certified (no answer differs in 6) and 0.0 is not, where the sequence stops; 1.0 exits nowhere,
+    # so it pays its tests for nothing and is not chosen (it was, and `--write` saved it).
+    assert certificate["certified_settings"] == 1
+    assert certificate["stopped_at"]["empirical_risk"] == pytest.approx(5 / 6)
+    assert report["chosen"] is None
 
     wide = calibrate(model, processor, ["vqa"], **{**sweep, "batch_size": 16}, risk=0.5, delta=0.2, progress=False)
     assert wide["tasks"]["vqa"]["certificate"] == certificate  # a batch wider than the samples splits the same
@@ -217,6 +219,35 @@ def test_a_write_that_fails_leaves_the_folder_as_it_was(tmp_path):
         )
     assert (tmp_path / "generation_config.json").read_text() == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["calibration.json", "generation_config.json"]
+
+
+def test_a_file_that_cannot_be_replaced_after_another_was_puts_the_other_back(tmp_path, monkeypatch):
+    """`calibration.json` was replaced, then `generation_config.json` could not be: a record of defaults never
+    written."""
+    from pathlib import Path
+
+    model = tiny_model()
+    model.generation_config.save_pretrained(tmp_path)
+    (tmp_path / "calibration.json").write_text('{"chosen": "before"}')
+    before = {path.name: path.read_text() for path in tmp_path.iterdir()}
+    replace = Path.replace
+
+    def immutable_defaults(self, target):  # the new defaults cannot take the old ones' place
+        if self.name == "generation_config.json" and Path(target) == tmp_path / "generation_config.json":
+            raise PermissionError("Operation not permitted")
+        return replace(self, target)
+
+    monkeypatch.setattr(Path, "replace", immutable_defaults)
+    with pytest.raises(PermissionError):
+        save_calibration(model, {"chosen": {"exit_threshold": 0.5}, "tolerance": 0.01}, tmp_path)
+    assert {path.name: path.read_text() for path in tmp_path.iterdir()} == before
+
+
+def test_a_setting_slower_than_the_full_model_is_never_chosen():
+    """A threshold no token reaches pays the tests and skips nothing: `calibrate --write` saved it over good ones."""
+    slower = [OperatingPoint({"exit_threshold": 0.99999}, 1.0, -0.05)]
+    assert fastest_within_tolerance(slower, 1.0, 0.01) is None
+    assert fastest_for_every_task({"vqa": (OperatingPoint({}, 1.0, 0.0), slower)}, 0.01) is None
 
 
 def test_nothing_is_written_when_nothing_was_chosen(tmp_path):

@@ -210,9 +210,14 @@ def test_a_stopped_train_run_resumes_from_its_last_checkpoint(tmp_path, capsys, 
     assert AutoModel.from_pretrained(tmp_path / "run" / "checkpoint-2", trust_remote_code=True).config.decoder_layers
     (tmp_path / "run" / "checkpoint-3").mkdir()  # a run stopped while saving: skipped for the last complete one
     argv[steps] = "3"
+    vocabulary = OFAProcessor.from_pretrained(tmp_path / "run" / "checkpoint-2").tokenizer.get_vocab()
+    other = shapes_dataset().map(lambda row: {"question": "which shape is drawn here?", "answer": "a square"})
+    other.save_to_disk(tmp_path / "other")  # data with other words: a new tokenizer would number them otherwise
+    argv[argv.index("--dataset") + 1] = str(tmp_path / "other")
     assert main([*argv, "--resume"]) == 0
     assert not list((tmp_path / "run").glob("checkpoint-*"))  # the saved model replaces the checkpoints
     assert AutoModel.from_pretrained(tmp_path / "run", trust_remote_code=True).config.decoder_layers > 0
+    assert OFAProcessor.from_pretrained(tmp_path / "run").tokenizer.get_vocab() == vocabulary  # the run's own
     assert main([*argv, "--resume"]) == 2 and "no complete checkpoint" in capsys.readouterr().err
 
 
@@ -286,18 +291,20 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     from PIL import Image
 
     plot = tmp_path / "tradeoff.png"
-    argv = ["calibrate", str(task_model_dir), "--tasks", "vqa,caption", "--samples", "4", "--batch-size", "4"]
+    # VQA only: on this random model every setting that saves time loses all of the captions' CIDEr (the full
+    # model's 0.007), and one that is slower than the full model is never chosen.
+    argv = ["calibrate", str(task_model_dir), "--tasks", "vqa", "--samples", "4", "--batch-size", "4"]
     thresholds = ["--similarity-thresholds", "0.9", "--confidence-thresholds", "0.0", "--encoder-thresholds", "-1"]
     thresholds += ["--exit-token-layers", "own,batch", "--max-exit-layers", "any,1"]
     assert main([*argv, *thresholds, "--tolerance", "0.99", "--plot", str(plot), "--write", "--quiet", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["points"] == (1 + 2 * 2 * 2) * 2 * 2 - 1 and set(report["tasks"]) == {"vqa", "caption"}
+    assert report["points"] == (1 + 2 * 2 * 2) * 2 * 2 - 1 and set(report["tasks"]) == {"vqa"}
     assert report["batch_size"] == 4  # the time reductions, hence the choice, are for batches of 4
     for task in report["tasks"].values():
         chosen_point = task["chosen"]
         assert chosen_point["expected_time_reduction"] <= chosen_point["per_row_time_reduction"]
     chosen = report["chosen"]
-    assert chosen is not None and all(report["tasks"][task]["chosen"] for task in ("vqa", "caption"))
+    assert chosen is not None and report["tasks"]["vqa"]["chosen"]["expected_time_reduction"] > 0
     # Threshold -1 stops a stream after its first layer, so no encoder exit test is skipped.
     encoder_exits = any(name.startswith("encoder") and name.endswith("exit_threshold") for name in chosen)
     assert chosen.get("encoder_min_exit_layer") == (1 if encoder_exits else None)

@@ -310,6 +310,39 @@ def test_a_model_folder_without_a_processor_fails_before_an_earlier_assembly_is_
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
+        (lambda folder: (folder / "calibration.json").write_text("[1, 2]"), "calibration.json holds a list"),
+        (lambda folder: (folder / "training_recipe.json").write_text("{"), "training_recipe.json is not JSON"),
+        (lambda folder: (folder / "benchmark.jsonl").write_text(json.dumps({**RECORD, "full": "x"}) + "\n"),
+         "A benchmark record is not what `hf-earlyexit bench --json` prints"),
+    ],
+)  # fmt: skip
+def test_bad_records_and_a_failed_validation_keep_the_earlier_assembly_and_leave_no_staging(
+    model_dir, tmp_path, monkeypatch, edit, message
+):
+    """They were tracebacks that left a staging folder holding a whole model; a validation that failed or was
+    interrupted had already replaced the earlier assembly."""
+    monkeypatch.setattr(publishing, "validate_folder", lambda folder: {})
+    out, folder = tmp_path / "out", tmp_path / "edited"
+    publish(model_dir, REPO_ID, output_dir=out, dry_run=True)
+    earlier = {path.name: path.read_bytes() for path in out.iterdir()}
+    shutil.copytree(model_dir, folder)
+    edit(folder)
+    with pytest.raises(ValueError, match=message):
+        publish(folder, "someone/other", output_dir=out, dry_run=True)
+
+    def interrupted(folder):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(publishing, "validate_folder", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        publish(model_dir, "someone/other", output_dir=out, dry_run=True)
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == earlier
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["edited", "out"]  # no `.out.assembling`
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
         # A config edited apart from its weights: was published as a truncated model, validated against itself.
         (lambda folder: patch_json(folder / "config.json", decoder_layers=2), "the weights do not fit config.json"),
         (lambda folder: (folder / "model.safetensors").write_bytes(b"not safetensors"), "not a readable safetensors"),
