@@ -222,17 +222,16 @@ class ThresholdExit(ExitController):
     def row_thresholds(self, state: ExitState) -> "float | torch.Tensor":
         """The running rows' thresholds, [rows] (or one number for all): the schedule at each row's step, for each row
         of the batch where the threshold is one per row."""
-        base, step = self.schedule.threshold, state.step
+        base, step, device = self.schedule.threshold, state.step, state.hidden_states.device
         if not isinstance(base, torch.Tensor):
             return self.schedule(step, state.max_steps)
-        rows = state.rows.to(base.device)
         try:  # no host read of the rows on this per-layer path: a short tensor fails the indexing itself
-            if isinstance(step, torch.Tensor):  # each batch row's threshold at its own step
+            if isinstance(step, torch.Tensor):  # each batch row's threshold at its own step (speculative, batch > 1)
                 steps = torch.zeros(base.shape[0], dtype=step.dtype, device=base.device)
-                steps[rows] = step.to(base.device)
+                steps[state.rows.to(base.device)] = step.to(base.device)
                 step = steps
             threshold = self.schedule(step, state.max_steps)
-            return threshold[rows] if isinstance(threshold, torch.Tensor) else threshold
+            return threshold.to(device)[state.rows.to(device)] if isinstance(threshold, torch.Tensor) else threshold
         except IndexError:
             raise ValueError(
                 f"{type(self).__name__} has {self.schedule.threshold.shape[0]} thresholds, one per row, fewer than the "
