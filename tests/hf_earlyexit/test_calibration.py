@@ -251,6 +251,6 @@ def test_a_setting_slower_than_the_full_model_is_never_chosen():
 
 
 def test_nothing_is_written_when_nothing_was_chosen(tmp_path):
-    with pytest.raises(ValueError, match="within 1.0% of the full model: nothing written"):
+    with pytest.raises(ValueError, match="within 1.0% of the full model and is expected to be faster than it: nothing"):
         save_calibration(tiny_model(), {"chosen": None, "tolerance": 0.01}, tmp_path)
     assert list(tmp_path.iterdir()) == []
