@@ -148,6 +148,11 @@ def forced_exit_benchmark(
             f"`--forced-exit` must lie in [1, {depth - 1}] for OFA-{preset} ({config.encoder_layers} encoder / "
             f"{config.decoder_layers} decoder layers), got {forced_exit}."
         )
+    if new_tokens > config.max_position_embeddings:  # `generate` would stop there, and ms per token would lie
+        raise ValueError(
+            f"`--new-tokens` must be at most {config.max_position_embeddings} for OFA-{preset} (its decoder's "
+            f"positions, `max_position_embeddings`), got {new_tokens}."
+        )
     model = EarlyExitOFAForConditionalGeneration(config).to(torch_device, torch_dtype).eval()
     truncated = truncated_model(model, forced_exit, forced_exit)
     exit_after = FixedLayerExit(forced_exit)

@@ -768,6 +768,25 @@ def check_no_empty_values(parser: argparse.ArgumentParser, args: argparse.Namesp
             raise ValueError(f"{name} is empty: give a value, or leave it out.")
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation that failed: `torch.OutOfMemoryError` on an accelerator, a RuntimeError from
+    the CPU allocator, or Python's own MemoryError."""
+    import torch
+
+    cpu_allocator = isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or cpu_allocator
+
+
+def print_error(message: str) -> None:
+    """One line on standard error, as promised, below any progress bar left open (closed so that the line starts
+    on its own)."""
+    from tqdm.auto import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+    print(f"hf-earlyexit: error: {' '.join(message.split())}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -776,7 +795,12 @@ def main(argv: list[str] | None = None) -> int:
         check_no_empty_values(parser, args)
         args.run(args)
     except (ValueError, OSError, PublishError) as error:
-        print(f"hf-earlyexit: error: {' '.join(str(error).split())}", file=sys.stderr)  # one line, as promised
+        print_error(str(error))
+        return 2
+    except (MemoryError, RuntimeError) as error:
+        if not out_of_memory(error):
+            raise
+        print_error(f"out of memory ({' '.join(str(error).split())[:200]}): try smaller sizes or batches")
         return 2
     except KeyboardInterrupt:
         resumable = args.command == "train" and any(Path(args.output_dir).glob("checkpoint-*/trainer_state.json"))

@@ -93,6 +93,8 @@ def test_a_bad_dtype_device_or_count_is_named_before_any_work():
         ({"dtype": "float33"}, "`dtype` must be one of"),
         ({"device": "cpux"}, "must name a torch device"),
         ({"batch_sizes": (0,)}, "must be positive"),
+        # `generate` stops at the decoder's positions: ms per token were divided by tokens never decoded.
+        ({"new_tokens": 1025}, r"`--new-tokens` must be at most 1024 for OFA-tiny"),
     ):
         with pytest.raises(ValueError, match=message):
             forced_exit_benchmark(2, preset="tiny", **kwargs)

@@ -587,6 +587,27 @@ def test_an_error_of_several_lines_is_printed_as_one_and_an_interrupt_says_how_t
     assert "interrupted (continue with --resume)" in capsys.readouterr().err
 
 
+def test_running_out_of_memory_is_one_line_below_the_progress_bar(capsys, monkeypatch):
+    """Sizes past the machine's memory ended in the allocator's traceback, printed on the open progress bar's line."""
+    from tqdm.auto import tqdm
+
+    from hf_earlyexit import cli
+
+    def allocates(args):
+        tqdm(total=3, desc="timing").update()  # a bar left open, as a failing stage leaves it
+        torch.empty(1 << 60, dtype=torch.uint8)
+
+    for failure, said in ((allocates, "out of memory"), (lambda args: 1 / 0, None)):
+        monkeypatch.setattr(cli, "cmd_caption", failure)
+        if said is None:  # other errors stay tracebacks: they are bugs to report
+            with pytest.raises(ZeroDivisionError):
+                main(["caption", "model", "image.png"])
+            continue
+        assert main(["caption", "model", "image.png"]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1].startswith(f"hf-earlyexit: error: {said} (") and err.endswith("batches\n")
+
+
 def test_demo_uses_the_embedded_model_and_shows_exit_layers_and_savings(tmp_path, capsys):
     assert main(["demo", "--output-dir", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
