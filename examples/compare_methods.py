@@ -42,7 +42,7 @@ from hf_earlyexit import EarlyExitOFAForConditionalGeneration, EarlyExitTraining
 from hf_earlyexit.benchmark import task_benchmark
 from hf_earlyexit.calibration import calibration_grid, chosen_report, fastest_for_every_task, pareto_frontier, sweep
 from hf_earlyexit.evaluation import TaskInputs, flop_costs, run_task, score, task_inputs
-from hf_earlyexit.modeling.exit_knobs import SPECULATIVE_KNOBS
+from hf_earlyexit.modeling.exit_knobs import SPECULATIVE_KNOBS, encoder_exit_parts
 from hf_earlyexit.plots import new_figure, save
 from hf_earlyexit.tasks import MIXTURE, TASKS, training_mixture
 from hf_earlyexit.training import train_exits
@@ -317,7 +317,7 @@ def encoder_streams(options, model_dir: Path) -> dict[str, dict[str, float]]:
     """MuE's Table 2 at our scale: per task, encoder stream and similarity threshold (the other stream at full depth;
     a joint encoder has one exit), the quality kept and the mean layers each stream ran, on validation."""
     model, processor = load(model_dir)
-    streams = ("encoder_image", "encoder_text") if model.config.decompose_encoder_modalities else ("encoder",)
+    streams = encoder_exit_parts(model.config)
     table = {}
     for task in options.tasks:
         inputs = split_inputs(options.embedded_model, task, "validation", options.samples, options.batch_sizes[-1])

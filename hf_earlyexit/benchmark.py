@@ -26,11 +26,11 @@ loss, interleaved, to show what training the exits costs against plain fine-tuni
 
 import contextlib
 import dataclasses
+import functools
 import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 
 import torch
@@ -38,16 +38,23 @@ import torch
 from .evaluation import Asks, TaskInputs, TaskRun, flop_costs, run_batch, run_knobs, score, task_inputs
 from .measures import (
     PartCosts,
-    encoder_streams,
     expected_time_reduction,
     full_depth_cost,
     parameter_speedup,
 )
 from .modeling.configuration_ofa import OFAEarlyExitConfig
 from .modeling.exit_controllers import ExitController, ExitState, FixedLayerExit, checked_decision
-from .modeling.exit_knobs import DRAFTING_KNOBS, KV_STRATEGIES, NO_EXIT, ROW_EXIT_PLANS, shown_knobs
+from .modeling.exit_knobs import (
+    DRAFTING_KNOBS,
+    KV_STRATEGIES,
+    NO_EXIT,
+    ROW_EXIT_PLANS,
+    encoder_exit_parts,
+    shown_knobs,
+)
 from .modeling.generation_early_exit import EarlyExitSettings
 from .modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration
+from .modeling.row_exits import timed_rounds
 
 PROMPT_LENGTH = 8  # tokens, as in the official port's reference timings
 
@@ -374,7 +381,7 @@ class PartCostRuns:
         config, encoder = model.config, model.get_encoder()
         self.config, self.inputs, self.askers = config, inputs, dict(askers or {})
         self.encoder_askers = dict(encoder_askers or {})
-        self.parts = encoder_streams(config)
+        self.parts = encoder_exit_parts(config)
         first_layer = FixedLayerExit(1)
         with torch.no_grad():
             encoder_outputs = [encoder(**batch) for batch in inputs.batches]
@@ -494,21 +501,9 @@ def round_seconds(
     functions: dict[str, Callable[[int], object]], index: int, repeats: int, device: torch.device
 ) -> dict[str, list[float]]:
     """Seconds of each function on batch `index` in each of `repeats` rounds, after a warm-up round; every round runs
-    them all back to back, the order reversed in every other round."""
-    if repeats < 1:
-        raise ValueError(f"`repeats` must be positive, got {repeats}.")
-    times: dict[str, list[float]] = {name: [] for name in functions}
-    for round_ in range(repeats + 1):
-        for name in list(functions) if round_ % 2 else reversed(functions):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            functions[name](index)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if round_:  # the first round warms up
-                times[name].append(time.perf_counter() - start)
-    return times
+    them all back to back, the order reversed in every other round (`row_exits.timed_rounds`)."""
+    calls = [functools.partial(function, index) for function in functions.values()]
+    return dict(zip(functions, timed_rounds(calls, device, repeats), strict=True))
 
 
 def compiled_full_decoding() -> dict:

@@ -19,9 +19,9 @@ from typing import Any
 
 from .benchmark import measure_part_costs
 from .evaluation import Asks, TaskInputs, risk_losses, run_task, score, split_task_inputs, task_inputs
-from .measures import PartCosts, encoder_streams, expected_time_reduction
+from .measures import PartCosts, expected_time_reduction
 from .modeling.exit_controllers import SimilarityExit, make_controller
-from .modeling.exit_knobs import DRAFTING_KNOBS, ENCODER_PARTS, EXIT_KNOBS
+from .modeling.exit_knobs import DRAFTING_KNOBS, ENCODER_PARTS, EXIT_KNOBS, encoder_exit_parts
 from .modeling.generation_early_exit import EarlyExitSettings
 from .risk_control import LossKind, check_risk, fixed_sequence_test, samples_needed
 from .sharding import from_main_process, is_main_process
@@ -154,7 +154,7 @@ def calibration_grid(
         for threshold in thresholds
         for rule in batch_rules
     ]
-    streams = encoder_streams(config)
+    streams = encoder_exit_parts(config)
     per_stream = [[None, *encoder_thresholds]] * len(streams)
     grid = []
     for knobs, thresholds in itertools.product(decoder, itertools.product(*per_stream)):
@@ -233,13 +233,14 @@ def fastest_on_every_task(eligible: dict[str, Sequence[OperatingPoint]]) -> dict
     for points in eligible.values():
         for point in points:
             by_setting.setdefault(settings_key(point.settings), []).append(point)
-    complete = [
-        OperatingPoint(points[0].settings, 0.0, sum(p.expected_time_reduction for p in points) / len(points))
-        for points in by_setting.values()
+    mean_reductions = {
+        key: sum(point.expected_time_reduction for point in points) / len(points)
+        for key, points in by_setting.items()
         if len(points) == len(eligible)
-    ]
-    best = max(filter(saves_time, complete), key=lambda point: point.expected_time_reduction, default=None)
-    return None if best is None else dict(best.settings)
+    }
+    saving = [key for key, reduction in mean_reductions.items() if reduction > 0]  # as `saves_time`, on the mean
+    best = max(saving, key=mean_reductions.__getitem__, default=None)
+    return None if best is None else dict(by_setting[best][0].settings)
 
 
 def with_encoder_min_exit_layer(settings: dict[str, Any], points: Sequence[OperatingPoint]) -> dict[str, Any]:
@@ -326,7 +327,7 @@ def calibrate(
     # What each policy's tests cost, so that asking fewer layers (`max_exit_layer`) counts as time saved, and what
     # each encoder stream's tests cost, so that an encoder exit that saves little counts as a loss.
     askers = {policy: make_controller(policy, values[0]) for policy, values in decoder_thresholds.items() if values}
-    streams = encoder_streams(model.config)
+    streams = encoder_exit_parts(model.config)
     encoder_askers = {part: SimilarityExit(encoder_thresholds[0]) for part in streams} if encoder_thresholds else {}
     # The time reductions are batch-aware, so the choice is for this batch size.
     rule = {"tolerance": tolerance} if levels is None else {"risk_level": levels, "delta": delta}

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .benchmark import paired_seconds
-from .calibration import write_generation_defaults, write_together
+from .calibration import settings_key, write_generation_defaults, write_together
 from .evaluation import TaskInputs, TaskRun, run_batch, task_inputs
 from .modeling.processing_ofa import prompt_text
 
@@ -149,10 +149,6 @@ def time_drafts(
     ]
 
 
-def key_of(settings: dict[str, Any]) -> str:
-    return json.dumps(settings, sort_keys=True)
-
-
 def setting_scores(timings: dict[str, Sequence[DraftingPoint]]) -> dict[str, float]:
     """Each setting's geometric-mean speedup over the tasks (keyed by its JSON), for the settings that gave the full
     model's outputs and were at least as fast as the full model on every task."""
@@ -160,7 +156,7 @@ def setting_scores(timings: dict[str, Sequence[DraftingPoint]]) -> dict[str, flo
     for points in timings.values():
         for point in points:
             if point.same_outputs and point.speedup >= 1:
-                by_setting.setdefault(key_of(point.settings), []).append(point)
+                by_setting.setdefault(settings_key(point.settings), []).append(point)
     return {
         key: math.exp(sum(math.log(point.speedup) for point in points) / len(points))
         for key, points in by_setting.items()
@@ -235,7 +231,7 @@ def speedups_by_size(timings: dict[int, dict[str, Sequence[DraftingPoint]]]) -> 
         for name, points in by_task.items():
             for point in points:
                 speedup = point.speedup if point.same_outputs else 0.0
-                speedups.setdefault(key_of(point.settings), {}).setdefault(size, {})[name] = speedup
+                speedups.setdefault(settings_key(point.settings), {}).setdefault(size, {})[name] = speedup
     return speedups
 
 
@@ -264,7 +260,8 @@ def choose_for_batch_sizes(
         ],
         "batch_sizes": {
             size: {
-                name: next(p for p in points if key_of(p.settings) == best).report() for name, points in by_task.items()
+                name: next(p for p in points if settings_key(p.settings) == best).report()
+                for name, points in by_task.items()
             }
             for size, by_task in timings.items()
             if size != smallest

@@ -17,7 +17,7 @@ from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "embedded_model"
 # The config fields that shape exit heads' weights; the others (e.g. MuE's `decompose_encoder_modalities`) load any.
 HEAD_SHAPES = ("exit_adapter_dim", "exit_transformer_layers")
-MODEL_TYPE = "ofa_early_exit"
+MODEL_TYPE = EarlyExitOFAForConditionalGeneration.config_class.model_type
 
 
 def json_object(path: Path) -> dict[str, Any]:

@@ -90,11 +90,6 @@ class PartCosts:
         )
 
 
-def encoder_streams(config) -> tuple[str, ...]:
-    """The encoder parts that exit on their own: each modality stream, or the joint encoder."""
-    return ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
-
-
 def batch_deepest(exit_layers: torch.Tensor, batch_size: int) -> torch.Tensor:
     """Each row's exit layers [N, C] replaced, column by column, by the deepest of its batch (consecutive groups of
     `batch_size` rows); 0 only where no row of the batch has one (no step, no modality). What the rows cost when a
@@ -126,9 +121,9 @@ def expected_time_reduction(
     > 1 it is batch-aware: the samples ran in consecutive batches of that size, each part of a batch and each
     decoding step costing what its deepest row costs, for every row of the batch (`batch_deepest`; the full depth
     is charged on the same steps); 1 gives the per-row figure of the papers.
-    `asked_layers`: the decoder layers after which `policy`'s controller was asked (`ask_layers`); a token pays
-    one ask (`PartCosts.ask_cost`) for each of them up to its exit layer, or its step's deepest when batch-aware,
-    and, with a `policy`, the exit path (`PartCosts.decoder_exit_path`).
+    `asked_layers`: the decoder layers after which `policy`'s controller was asked
+    (`EarlyExitSettings.asked_layers`); a token pays one ask (`PartCosts.ask_cost`) for each of them up to its exit
+    layer, or its step's deepest when batch-aware, and, with a `policy`, the exit path (`PartCosts.decoder_exit_path`).
     `encoder_asked_layers`: likewise, encoder part -> the layers after which its controller was asked; a sample pays
     the part's test (`PartCosts.encoder_ask_cost`) for each of them up to its exit layer in that part."""
     if encoder_exit_layers.ndim != 2 or encoder_exit_layers.shape[1] != 2 or decoder_exit_layers.ndim != 2:
@@ -199,7 +194,6 @@ def parameter_speedup(model, decoder_exit_layers: torch.Tensor) -> float:
 __all__ = [
     "PartCosts",
     "batch_deepest",
-    "encoder_streams",
     "expected_time_reduction",
     "full_depth_cost",
     "parameter_speedup",

@@ -7,8 +7,8 @@
 Splits are "train", "validation" (for calibration) and "test" (for the benchmark). easy-VQA publishes train and
 test only, so its validation split is the questions on every tenth training image (image id divisible by 10),
 which "train" leaves out. "calibration" is held out from all three, for a certificate that needs thousands of
-samples: shape scenes from their own seed stream, any number of them (`CALIBRATION_SCENES` by default); easy-VQA has
-no more images, so its tasks' "calibration" split is their validation split.
+samples: shape scenes from their own seed stream, any number of them (`SCENE_SIZES["calibration"]` by default);
+easy-VQA has no more images, so its tasks' "calibration" split is their validation split.
 
 Each task names the per-sample loss Learn then Test certifies (`risk_loss`): "binary" for answers (1 where the
 answer differs from the full model's), "bounded" for captions (the relative CIDEr drop, `evaluation.relative_drop`).

@@ -422,4 +422,4 @@ class EarlyExitCache(DynamicCache):
         self._map_rows(lambda t: t[indices])
 
 
-__all__ = ["EarlyExitCache", "KV_STRATEGIES", "SkippedSlots"]
+__all__ = ["EarlyExitCache", "SkippedSlots"]

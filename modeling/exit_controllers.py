@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .exit_knobs import POLICY_NAMES, POLICY_RANGES, SCHEDULE_NAMES
+from .exit_knobs import POLICY_NAMES, POLICY_RANGES, SCHEDULE_NAMES, ExitPart, ExitPolicy, ThresholdScheduleName
 
 
 @dataclass
@@ -51,9 +51,9 @@ class ExitState:
         (`row_exit="keep"`), and a decision for the whole batch must not depend on whether they do.
     """
 
-    part: str
+    part: ExitPart
     layer: int
-    step: int
+    step: int | torch.Tensor
     hidden_states: torch.Tensor
     previous_hidden_states: torch.Tensor
     rows: torch.Tensor
@@ -161,7 +161,9 @@ def per_row(
     return values
 
 
-def make_schedule(threshold: float | ThresholdSchedule, schedule: str = "constant") -> ThresholdSchedule:
+def make_schedule(
+    threshold: float | ThresholdSchedule, schedule: ThresholdScheduleName = "constant"
+) -> ThresholdSchedule:
     if isinstance(threshold, ThresholdSchedule):
         return threshold
     if schedule not in SCHEDULES:
@@ -393,7 +395,10 @@ POLICIES = {
 
 
 def make_controller(
-    policy: str = "similarity", threshold: float | ThresholdSchedule = 1.0, schedule: str = "constant", **options
+    policy: ExitPolicy = "similarity",
+    threshold: float | ThresholdSchedule = 1.0,
+    schedule: ThresholdScheduleName = "constant",
+    **options,
 ) -> ExitController:
     """The controller `generate` builds from its knobs: `exit_policy`, `exit_threshold`, `exit_threshold_schedule`.
 

@@ -38,6 +38,13 @@ EXIT_MODES: tuple[str, ...] = get_args(ExitMode)
 # Parts of the encoder a controller can be given for: the joint encoder, or each stream of a decomposed one.
 ENCODER_PARTS: tuple[str, ...] = EXIT_PARTS[1:]
 
+
+def encoder_exit_parts(config: Any) -> tuple[str, ...]:
+    """The encoder parts of `config`'s model that exit on their own: each modality stream of a decomposed encoder
+    (`decompose_encoder_modalities`), or the joint encoder."""
+    return ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
+
+
 # Knob -> default. All but `exit_controller` (an object) are JSON values kept in the config / generation config:
 # scalars, and `draft_vocabulary`'s list of token ids.
 EXIT_KNOBS: dict[str, Any] = {
@@ -384,6 +391,7 @@ __all__ = [
     "check_not_misspelt",
     "check_thresholds",
     "drafts_with_exit_knobs",
+    "encoder_exit_parts",
     "non_default_knobs",
     "resolve_knobs",
     "shown_knobs",

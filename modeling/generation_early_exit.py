@@ -224,7 +224,7 @@ class EarlyExitSettings:
 
 
 # The thresholds of decoder controllers, whose rows are a request's beams and returned sequences.
-DECODER_THRESHOLDS = ("exit_threshold", "draft_exit_threshold")
+DECODER_THRESHOLD_KNOBS = ("exit_threshold", "draft_exit_threshold")
 
 
 def thresholds_per_row(value: dict[str, Any], requests: int | None, rows_per_request: int) -> dict[str, Any]:
@@ -237,7 +237,7 @@ def thresholds_per_row(value: dict[str, Any], requests: int | None, rows_per_req
             continue
         if requests is not None and values.shape[0] != requests:
             raise ValueError(f"`{name}` has {values.shape[0]} values: give one per request of the batch ({requests}).")
-        value[name] = values.repeat_interleave(rows_per_request) if name in DECODER_THRESHOLDS else values
+        value[name] = values.repeat_interleave(rows_per_request) if name in DECODER_THRESHOLD_KNOBS else values
     return value
 
 
@@ -449,8 +449,9 @@ class EarlyExitGenerationMixin(GenerationMixin):
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  *args, **kwargs):  # fmt: skip
-        # Transformers hands the assistant's `generate` this call's model kwargs: the exit settings and record are
-        # this model's, so the assistant decodes with its own (its saved defaults, or none for another model).
+        # Transformers hands the assistant's `generate` this call's model kwargs: the exit settings and
+        # `exit_layer_log` are this model's, so the assistant decodes with its own (its saved defaults, or none for
+        # another model).
         own = {key: value for key, value in model_kwargs.items() if key not in ("exit_settings", "exit_layer_log")}
         return super()._get_candidate_generator(
             generation_config, input_ids, inputs_tensor, logits_processor, own, *args, **kwargs

@@ -901,8 +901,8 @@ class OFAEncoder(nn.Module):
         sequence: "EncoderSequence",
         layers: list[int],
         exit_settings: EarlyExitSettings | None,
-        attentions: bool,
-        states: bool = False,
+        output_attentions: bool,
+        output_hidden_states: bool = False,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """OFA's encoder: image and text attend to each other. Returns what `run_layers` does, the layers per row
         for (image, text) [batch, 2]: both the joint encoder's, 0 for a missing modality."""
@@ -913,11 +913,11 @@ class OFAEncoder(nn.Module):
             sequence.text_buckets,
             sequence.image_buckets,
             layers,
-            attentions,
+            output_attentions,
             exit_settings,
             part="encoder",
             real_tokens=~sequence.padding,
-            output_hidden_states=states,
+            output_hidden_states=output_hidden_states,
         )
         present = torch.tensor([bool(sequence.num_image), bool(sequence.text_length)], device=exit_layers.device)
         return final, states, attentions, exit_layers[:, None] * present
@@ -927,33 +927,33 @@ class OFAEncoder(nn.Module):
         sequence: "EncoderSequence",
         layers: list[int],
         exit_settings: EarlyExitSettings | None,
-        attentions: bool,
-        states: bool,
+        output_attentions: bool,
+        output_hidden_states: bool,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """MuE's decomposed encoder: each modality attends only to itself, through the same layers, and may stop on
         its own; the streams meet in the decoder's cross-attention. Returns what `run_joint` does: each layer's
-        attentions over the whole sequence when `attentions` (zero between the streams, which never attend to each
-        other), each layer's states when `states`."""
+        attentions over the whole sequence when `output_attentions` (zero between the streams, which never attend to
+        each other), each layer's states when `output_hidden_states`."""
         n, padding = sequence.num_image, sequence.padding
         image_rel = sequence.image_buckets if self.config.decomposed_image_relative_bias else None
         streams = [
             self.run_layers(
                 sequence.hidden_states[:, :n], sequence.absolute[:, :, :n, :n], n, None, image_rel, layers,
-                attentions, exit_settings, part="encoder_image", output_hidden_states=states,
+                output_attentions, exit_settings, part="encoder_image", output_hidden_states=output_hidden_states,
             ) if n else None,
             self.run_layers(
                 sequence.hidden_states[:, n:], sequence.absolute[:, :, n:, n:], 0, sequence.text_buckets, None, layers,
-                attentions, exit_settings, part="encoder_text",
+                output_attentions, exit_settings, part="encoder_text",
                 real_tokens=~padding[:, n:] if torch.compiler.is_compiling() or bool(padding.any()) else None,
-                output_hidden_states=states,
+                output_hidden_states=output_hidden_states,
             ) if sequence.text_length else None,
         ]  # fmt: skip
         ran = [stream for stream in streams if stream is not None]
         final = torch.cat([stream[0] for stream in ran], dim=1)
         per_layer = zip(*(stream[1] for stream in ran), strict=True)
-        layer_states = [torch.cat(layer, dim=1) for layer in per_layer] if states else []
+        layer_states = [torch.cat(layer, dim=1) for layer in per_layer] if output_hidden_states else []
         layer_attentions = []
-        if attentions:  # each stream's [batch, heads, S, S] padded to the whole sequence's keys, stacked by queries
+        if output_attentions:  # each stream's [batch, heads, S, S] padded to the sequence's keys, stacked by queries
             starts, length = (0, n) if len(ran) == 2 else (0,), final.shape[1]
             blocks = [
                 [F.pad(weights, (start, length - start - weights.shape[-1])) for weights in stream[2]]
@@ -1596,7 +1596,7 @@ class OFADecoder(nn.Module):
             table = self.call_position_table(self_cache, length, device)
             gathered = None if unmasked else position_ids.expand(len(encoder_outputs.last_hidden_state), -1)
             biases = self.table_attention_biases(query_slots, length, encoder_outputs, table, gathered, attention_mask)
-            if self_cache is not None and self_cache.kv_strategy == "recompute":
+            if self_cache.kv_strategy == "recompute":
                 positions = table.positions[None, :length] if unmasked else table.positions[gathered]
         else:
             positions = self.pos_ln(self.embed_positions(position_ids))
@@ -1671,7 +1671,7 @@ class OFADecoder(nn.Module):
             return None if pad is None else input_ids[:, 0] == pad
         return None if self_cache is None else self_cache.ended
 
-    def fill_skipped_layers_later(
+    def record_skipped_slots(
         self, self_cache: EarlyExitCache, exits: RowExits, slots: slice | None, exit_outputs: torch.Tensor
     ) -> None:
         """Record the slots the stopped rows left empty; the KV strategy fills them when a later token reads them."""
@@ -1793,7 +1793,7 @@ class OFADecoder(nn.Module):
             layer_outputs.append((exits.snapshot("exit_state", hidden_states), *zeros))
         exit_outputs = exits.stopped_state("output")  # the last layer output of each row that left early
         if self_cache is not None and exit_outputs is not None:
-            self.fill_skipped_layers_later(self_cache, exits, slots, exit_outputs)
+            self.record_skipped_slots(self_cache, exits, slots, exit_outputs)
         # A step whose rows all take their tokens from one exit returns its head's logits, if a controller computed
         # them.
         step_logits = state.computed_logits if exits.stopped_together and tokens.shape[1] == 1 else None

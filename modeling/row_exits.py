@@ -72,9 +72,11 @@ def computed(state: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
     return state() if callable(state) else state
 
 
-def median_seconds(calls: list[Callable[[], object]], device: torch.device, repeats: int = 5) -> list[float]:
-    """Median wall-clock seconds of each call over `repeats` rounds after a warm-up round, synchronised on a GPU.
+def timed_rounds(calls: list[Callable[[], object]], device: torch.device, repeats: int = 5) -> list[list[float]]:
+    """Wall-clock seconds of each call in each of `repeats` rounds after a warm-up round, synchronised on a GPU.
     Each round runs every call once, in reversed order every other round, so the machine's drift hits them alike."""
+    if repeats < 1:
+        raise ValueError(f"`repeats` must be positive, got {repeats}.")
     seconds: list[list[float]] = [[] for _ in calls]
     for round_ in range(repeats + 1):
         for index in range(len(calls)) if round_ % 2 else reversed(range(len(calls))):
@@ -84,9 +86,9 @@ def median_seconds(calls: list[Callable[[], object]], device: torch.device, repe
             calls[index]()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            if round_:
+            if round_:  # the first round warms up
                 seconds[index].append(time.perf_counter() - start)
-    return [statistics.median(values) for values in seconds]
+    return seconds
 
 
 def random_state_kept(device: torch.device) -> contextlib.AbstractContextManager:
@@ -143,7 +145,7 @@ class LayerCosts:
         if scattered:
             spread = [torch.linspace(0, batch_size - 1, count, device=device).round().long() for count in rows]
             calls += [layer_on(index) for index in spread]
-        *layers, gathered = median_seconds([*calls, gather], device)
+        *layers, gathered = (statistics.median(rounds) for rounds in timed_rounds([*calls, gather], device))
         kept, compacted = tuple(layers[: len(rows)]), tuple(layers[len(rows) :] or layers[: len(rows)])
         return cls(rows, kept, compacted, gathered)
 
@@ -159,8 +161,6 @@ class LayerCosts:
 class KeepPlan:
     """Ready rows stay in the batch and keep running: nothing to do at a stop."""
 
-    name = "keep"
-
     def go_on(self, exits: "RowExits", layer: int, leaving: States, carried: tuple) -> tuple:
         return carried
 
@@ -169,8 +169,6 @@ class CompactPlan:
     """Ready rows leave the batch: the deeper layers run on the running rows only, and every per-row tensor the loop
     carries is gathered to them."""
 
-    name = "compact"
-
     def go_on(self, exits: "RowExits", layer: int, leaving: States, carried: tuple) -> tuple:
         return exits.compact(layer, leaving, carried)
 
@@ -178,8 +176,6 @@ class CompactPlan:
 class AutoPlan:
     """Compact at a stop only when the layer costs predict that the next layer, gathered, saves `LayerCosts.margin`;
     keep otherwise. `costs()` is asked at every stop; the model measures them once per device, dtype and shape."""
-
-    name = "auto"
 
     def __init__(self, costs: Callable[[], LayerCosts]):
         self.costs = costs
@@ -372,7 +368,7 @@ __all__ = [
     "KeepPlan",
     "LayerCosts",
     "RowExits",
-    "median_seconds",
+    "timed_rounds",
     "random_state_kept",
     "select_rows",
     "true_positions",

@@ -44,7 +44,7 @@ from transformers import Seq2SeqTrainer
 
 from ..model_cards import NOT_MEASURED, measured_table, read_benchmark, render_model_card
 from ..modeling.exit_controllers import FixedLayerExit
-from ..modeling.exit_knobs import EXIT_KNOBS, non_default_knobs
+from ..modeling.exit_knobs import EXIT_KNOBS, encoder_exit_parts, non_default_knobs
 from ..modeling.generation_early_exit import EarlyExitSettings
 from ..modeling.modeling_ofa import EXIT_HEAD_MODULES, in_exit_head
 from .discriminator import ExitDiscriminators
@@ -225,7 +225,7 @@ class EarlyExitTrainer(Seq2SeqTrainer):
             depth = torch.where(torch.rand(batch, device=device) < fraction, shallow, layers)  # [batch]
             return FixedLayerExit(lambda state: depth[state.rows])
 
-        parts = ("encoder_image", "encoder_text") if config.decompose_encoder_modalities else ("encoder",)
+        parts = encoder_exit_parts(config)
         # Training runs forward and backward over every row it keeps in a layer: rows that stopped leave (the
         # same outputs as keeping them), and no clock decides the plan, as `row_exit="auto"` would.
         return EarlyExitSettings(**{part: sampled_exit() for part in parts}, row_exit="compact")

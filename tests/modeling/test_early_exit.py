@@ -8,9 +8,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from hf_earlyexit.modeling.early_exit_cache import KV_STRATEGIES, EarlyExitCache
+from hf_earlyexit.modeling.early_exit_cache import EarlyExitCache
 from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, ExitController, FixedLayerExit, PatienceExit
-from hf_earlyexit.modeling.exit_knobs import NO_EXIT
+from hf_earlyexit.modeling.exit_knobs import KV_STRATEGIES, NO_EXIT
 from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings, new_cache
 from hf_earlyexit.modeling.modeling_ofa import OFADecoder
 from hf_earlyexit.modeling.row_exits import LayerCosts, RowExits

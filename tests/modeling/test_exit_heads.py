@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_earlyexit import EarlyExitOFAForConditionalGeneration, FixedLayerExit
-from hf_earlyexit.modeling.early_exit_cache import KV_STRATEGIES
+from hf_earlyexit.modeling.exit_knobs import KV_STRATEGIES
 from tests.helpers import tiny_config, tiny_inputs, tiny_model
 
 DEPTH = 4
