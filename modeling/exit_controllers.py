@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .exit_knobs import POLICY_NAMES, POLICY_RANGES, SCHEDULE_NAMES, ExitPart, ExitPolicy, ThresholdScheduleName
+from .exit_knobs import (
+    POLICY_NAMES,
+    POLICY_RANGES,
+    SCHEDULE_NAMES,
+    ExitPart,
+    ExitPolicy,
+    ThresholdScheduleName,
+    check_patience_count,
+)
 
 
 @dataclass
@@ -407,18 +415,7 @@ def make_controller(
     if policy not in POLICY_NAMES:
         raise ValueError(f"Unknown `exit_policy` {policy!r}; choose one of {list(POLICY_NAMES)}.")
     if policy == "patience":
-        if (
-            isinstance(threshold, bool)
-            or not isinstance(threshold, numbers.Real)
-            or not float(threshold).is_integer()
-            or threshold < 1
-        ):
-            raise ValueError(
-                f"`exit_threshold` of the patience policy is one layer count of at least 1 for the whole batch, got "
-                f"{threshold!r}."
-            )
-        if schedule != "constant":
-            raise ValueError(f"`exit_threshold_schedule` {schedule!r} needs a threshold to decay; patience has none.")
+        check_patience_count("exit_threshold", threshold, schedule)
         return PatienceExit(int(threshold), **options)
     controller, defaults = POLICIES[policy]
     return controller(threshold, schedule, **{**defaults, **options})

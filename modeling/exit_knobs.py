@@ -2,8 +2,9 @@
 
 A knob (`exit_threshold=0.9`, `kv_strategy="copy"`, ...) is looked up in the `generate` call, then in the generation
 config (where calibration writes its choice), then in the model config (the model's own defaults), then here.
-`generate`, the config, the CLI, evaluation, calibration and publishing all go through `resolve_knobs` and
-`check_knobs`; `NO_EXIT` is the one way to ask for the full model whatever the saved defaults say.
+`generate`, the config, the CLI, evaluation, calibration and publishing all go through `resolve_knobs` (or
+`saved_knobs`, its lookup without a call) and `check_knobs`; `NO_EXIT` is the one way to ask for the full model
+whatever the saved defaults say.
 
 A leaf: it imports nothing of the model (only Transformers' logger), so the config and the exit controllers can both
 read it.
@@ -166,8 +167,20 @@ def check_thresholds(values: dict[str, Any], by_policy: bool = True) -> None:
             raise ValueError(
                 f"`{name}` is a {policy} score's threshold and must lie in {list(bounds)}, got {threshold}."
             )
-        if policy == "patience" and not all(value >= 1 and float(value).is_integer() for value in per_row):
-            raise ValueError(f"`{name}` of the patience policy is a layer count of at least 1, got {threshold}.")
+        if policy == "patience":
+            check_patience_count(name, threshold, values.get("exit_threshold_schedule", "constant"))
+
+
+def check_patience_count(name: str, threshold: Any, schedule: str = "constant") -> None:
+    """A patience policy's threshold knob `name`: one layer count of at least 1 for the whole batch, with the constant
+    schedule (a count has nothing to decay)."""
+    count = threshold.tolist() if hasattr(threshold, "tolist") else threshold  # a 0-d tensor or NumPy number
+    if isinstance(count, bool) or not isinstance(count, numbers.Real) or not float(count).is_integer() or count < 1:
+        raise ValueError(
+            f"`{name}` of the patience policy is one layer count of at least 1 for the whole batch, got {threshold!r}."
+        )
+    if schedule != "constant":
+        raise ValueError(f"`exit_threshold_schedule` {schedule!r} needs a threshold to decay; patience has none.")
 
 
 def threshold_policy(name: str, values: dict[str, Any]) -> str:
@@ -283,17 +296,24 @@ def resolve_knobs(config: Any, generation_config: Any = None, **given: Any) -> d
         raise ValueError(f"Unknown early-exit knob(s) {unknown}; the knobs are {list(EXIT_KNOBS)}.")
     for source, where in ((generation_config, "generation config"), (config, "model config")):
         check_no_misspelt_knob(source, where)
-    values = {}
+    saved = saved_knobs(config, generation_config)
     for name, default in EXIT_KNOBS.items():
-        if name in given:
-            values[name] = given[name]
-        elif generation_config is not None and hasattr(generation_config, name):
-            values[name] = getattr(generation_config, name)
-            warn_if_shadowed(name, getattr(config, name, default), values[name])
-        else:
-            values[name] = getattr(config, name, default)
+        if name not in given and generation_config is not None and hasattr(generation_config, name):
+            warn_if_shadowed(name, getattr(config, name, default), saved[name])
+    values = saved | given
     check_knobs(values, config)
     return values
+
+
+def saved_knobs(config: Any, generation_config: Any = None) -> dict[str, Any]:
+    """Every knob as a call without knobs starts from: the generation config's, else the model config's, else the
+    default; unchecked (`resolve_knobs` checks)."""
+    return {
+        name: getattr(generation_config, name)
+        if generation_config is not None and hasattr(generation_config, name)
+        else getattr(config, name, default)
+        for name, default in EXIT_KNOBS.items()
+    }
 
 
 def warn_if_shadowed(name: str, in_config: Any, in_generation_config: Any) -> None:
@@ -388,11 +408,13 @@ __all__ = [
     "check_encoder_knobs_used",
     "check_encoder_parts",
     "check_knobs",
+    "check_patience_count",
     "check_not_misspelt",
     "check_thresholds",
     "drafts_with_exit_knobs",
     "encoder_exit_parts",
     "non_default_knobs",
     "resolve_knobs",
+    "saved_knobs",
     "shown_knobs",
 ]

@@ -35,7 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .configuration_ofa import PATCH_STEM, RESNET_LAYERS, OFAEarlyExitConfig
 from .early_exit_cache import EarlyExitCache
 from .exit_controllers import ExitState, checked_decision
-from .exit_knobs import ENCODER_PARTS, EXIT_KNOBS, check_thresholds
+from .exit_knobs import ENCODER_PARTS, EXIT_KNOBS, check_thresholds, saved_knobs
 from .generation_early_exit import EarlyExitGenerationMixin, EarlyExitSettings, new_cache, with_cross_attention_cache
 from .row_exits import ActiveRows, LayerCosts, RowExits, random_state_kept, select_rows
 
@@ -1933,10 +1933,8 @@ class EarlyExitOFAForConditionalGeneration(OFAPreTrainedModel, EarlyExitGenerati
                         "give it to `generate` per call, and save a JSON value (None, a number, a list) in its place."
                     ) from None
         # The thresholds a call starts from, each in its policy's range: NaN was written into the JSON.
-        saved = {name: getattr(self.generation_config, name, getattr(self.config, name, value))
-                 for name, value in EXIT_KNOBS.items()}  # fmt: skip
         try:
-            check_thresholds(saved)
+            check_thresholds(saved_knobs(self.config, self.generation_config))
         except ValueError as error:
             raise ValueError(f"Not saved: {error}") from None
         # An auto-created generation config is saved with `_from_model_config: true`, and its unknown keys (the

@@ -988,7 +988,7 @@ def test_bad_config_defaults_are_refused():
     # Its policy's range is checked on what a call runs with: a generation config may set another policy.
     for fields, message in (
         ({"exit_threshold": -0.5, "exit_policy": "confidence"}, "confidence score's threshold"),
-        ({"exit_threshold": 0.5, "exit_policy": "patience"}, "patience policy is a layer count"),
+        ({"exit_threshold": 0.5, "exit_policy": "patience"}, "patience policy is one layer count"),
     ):
         with pytest.raises(ValueError, match=message):
             tiny_model(**fields).generate(**tiny_inputs(), max_new_tokens=2)
@@ -1000,7 +1000,7 @@ def test_saved_thresholds_out_of_their_policys_range_are_not_saved_and_others_ar
     with pytest.raises(ValueError, match="Not saved: `exit_threshold` must be finite"):
         model.save_pretrained(tmp_path)
     model.generation_config.exit_threshold, model.generation_config.exit_policy = 0.5, "patience"
-    with pytest.raises(ValueError, match="Not saved: `exit_threshold` of the patience policy is a layer count"):
+    with pytest.raises(ValueError, match="Not saved: `exit_threshold` of the patience policy is one layer count"):
         model.save_pretrained(tmp_path)
     assert not (tmp_path / "generation_config.json").exists()
     # Saved defaults that do not fit another setting of the config (stream thresholds on a joint encoder) are a
