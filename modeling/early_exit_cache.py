@@ -111,6 +111,13 @@ def selected_first(selected: torch.Tensor, counts: torch.Tensor, width: int) -> 
     return order, torch.arange(width, device=order.device)[None] < counts[:, None]
 
 
+def scattered_slots(rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row `slots` [rows, q] (-1: none) of the cache `rows` -> (which entries are slots [rows, q], then the row
+    and the slot of each of them): the index of a write at each row's own slots."""
+    valid = slots >= 0
+    return valid, rows[:, None].expand_as(slots)[valid], slots[valid]
+
+
 @dataclass
 class SkippedSlots:
     """One step's slots that rows left empty (`propagate` / `copy`), to fill when a later token needs them.
@@ -219,9 +226,7 @@ class EarlyExitCache(DynamicCache):
             layer.keys[target] = key
             layer.values[target] = value
         else:
-            valid = slots >= 0
-            row_index = rows[:, None].expand_as(slots)[valid]
-            slot_index = slots[valid]
+            valid, row_index, slot_index = scattered_slots(rows, slots)
             layer.keys[row_index, :, slot_index] = key.transpose(1, 2)[valid]
             layer.values[row_index, :, slot_index] = value.transpose(1, 2)[valid]
         return layer.keys, layer.values
@@ -340,9 +345,7 @@ class EarlyExitCache(DynamicCache):
             self.pending[:, slots] = hidden_states.to(self.pending.dtype)
             self.frontier[:, slots] = layer_idx + 1
         else:
-            valid = slots >= 0
-            row_index = rows[:, None].expand_as(slots)[valid]
-            slot_index = slots[valid]
+            valid, row_index, slot_index = scattered_slots(rows, slots)
             self.pending[row_index, slot_index] = hidden_states[valid].to(self.pending.dtype)
             self.frontier[row_index, slot_index] = layer_idx + 1
         if layer_idx + 1 < self.num_layers:

@@ -327,20 +327,16 @@ class RowExits:
         kept = self._states.get(name)
         if kept is None:  # no row is ready yet: every row runs
             return running_state
-        state = kept.clone()
-        waiting = true_positions(self.waiting, self.waiting_count)
-        state[self.running[waiting]] = running_state[waiting]
-        return state
+        return self.with_waiting_rows(kept.clone(), running_state)
 
     def spread(self, running_state: torch.Tensor | None) -> torch.Tensor | None:
         """[running rows, ...] -> [batch, ...] (`output_attentions`): zeros for the rows that stopped before this
         layer, whether they left the layers or run on with the batch (`keep`), so that every plan shows the same."""
         if running_state is None or self.waiting_count == len(self.exit_layers):
             return running_state
-        state = running_state.new_zeros((len(self.exit_layers), *running_state.shape[1:]))
-        waiting = true_positions(self.waiting, self.waiting_count)
-        state[self.running[waiting]] = running_state[waiting]
-        return state
+        return self.with_waiting_rows(
+            running_state.new_zeros((len(self.exit_layers), *running_state.shape[1:])), running_state
+        )
 
     def gather(self, name: str, running_state: torch.Tensor) -> torch.Tensor:
         """Each row's final `name` state [batch, ...]: the one it kept, or `running_state` [running rows, ...] (the
@@ -355,10 +351,13 @@ class RowExits:
             return stopped
         if stopped is None:
             return running_state
-        if self.waiting_count:
-            waiting = true_positions(self.waiting, self.waiting_count)
-            stopped[self.running[waiting]] = running_state[waiting]
-        return stopped
+        return self.with_waiting_rows(stopped, running_state) if self.waiting_count else stopped
+
+    def with_waiting_rows(self, state: torch.Tensor, running_state: torch.Tensor) -> torch.Tensor:
+        """`state` [batch, ...] with the rows still waiting set to theirs in `running_state` [running rows, ...]."""
+        waiting = true_positions(self.waiting, self.waiting_count)
+        state[self.running[waiting]] = running_state[waiting]
+        return state
 
 
 __all__ = [
