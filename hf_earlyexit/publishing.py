@@ -128,6 +128,12 @@ def staged_assembly(
             shutil.copy(plot, staging / "tradeoff.png")
         write_card(staging, model, config, records, repo_id, plot is not None, card_fields)
         (staging / ASSEMBLY_MANIFEST).write_text("".join(f"{path.name}\n" for path in sorted(staging.iterdir())))
+        # Transformers writes the weights readable by their owner alone (0600): every file as readable as the
+        # manifest, which this process wrote under the user's umask.
+        mode = (staging / ASSEMBLY_MANIFEST).stat().st_mode & 0o777
+        for path in staging.iterdir():
+            if path.is_file():
+                path.chmod(mode)
     return staging, target, replacing
 
 

@@ -104,6 +104,10 @@ def test_folder_has_weights_code_processor_and_auto_maps(assembled):
     generation = json.loads((assembled / "generation_config.json").read_text())
     assert {name: generation[name] for name in KNOBS} == KNOBS
     assert read_benchmark(assembled / "benchmark.jsonl") == [RECORD]
+    # Every file readable as the user's umask makes files (Transformers wrote the weights as 0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {path.stat().st_mode & 0o777 for path in assembled.iterdir()} == {0o666 & ~umask}
 
 
 def test_measured_table_names_each_records_kv_strategy_and_the_settings_that_differ():
