@@ -490,7 +490,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dataset",
         default="easy-vqa",
-        help="'easy-vqa', a save_to_disk folder, 'loader:folder' (imagefolder, parquet, ...) or a data set name",
+        help="'easy-vqa', a save_to_disk folder, 'loader:folder' (imagefolder, json, parquet, ...; image paths "
+        "relative to the folder) or a data set name",
     )
     parser.add_argument("--split", help="the split to train on (default train; none for a folder of one data set)")
     parser.add_argument("--image-column", default="image")

@@ -105,12 +105,16 @@ def easy_vqa_entailment(split: str = "train", seed: int = 0) -> datasets.Dataset
     return datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image())
 
 
-def load_image_text_dataset(source: str, split: str | None = None, columns: Iterable[str] = ()) -> datasets.Dataset:
+def load_image_text_dataset(
+    source: str, split: str | None = None, columns: Iterable[str] = (), image_column: str | None = None
+) -> datasets.Dataset:
     """A split of a data set: a folder written by `save_to_disk`, a loader with a local folder (`"imagefolder"`,
     `"parquet"`, ...: give `source` as `loader:path`) or a name `datasets.load_dataset` resolves. `split` defaults to
     "train"; a folder holding one data set is that data set, so a split it is not is refused. Raises ValueError when
-    the split is not there, has no rows, or lacks a column in `columns`."""
+    the split is not there, has no rows, or lacks a column in `columns`. Image paths in `image_column` that are
+    relative to a loader's data folder (as `imagefolder`'s metadata names its files) are made to point there."""
     path = Path(source)
+    data_dir = None
     if path.is_dir() and any((path / name).exists() for name in ("dataset_dict.json", "state.json")):
         loaded = load_from_disk(path)
         if isinstance(loaded, datasets.DatasetDict):
@@ -124,12 +128,27 @@ def load_image_text_dataset(source: str, split: str | None = None, columns: Iter
         loaded = datasets.load_dataset(loader, data_dir=data_dir, split=split or "train")
     else:
         loaded = datasets.load_dataset(source, split=split or "train")
+        data_dir = source if path.is_dir() else None
     if len(loaded) == 0:
         raise ValueError(f"{source} has no rows.")
     missing = [column for column in columns if column and column not in loaded.column_names]
     if missing:
         raise ValueError(f"{source} has no column(s) {missing}; its columns are {loaded.column_names}.")
+    if data_dir is not None and image_column in loaded.column_names:
+        loaded = with_paths_from(Path(data_dir), loaded, image_column)
     return loaded
+
+
+def with_paths_from(folder: Path, dataset: datasets.Dataset, column: str) -> datasets.Dataset:
+    """`dataset` with the relative paths in `column` that name a file in `folder` made to point there; a column that
+    holds no paths (images, bytes) as it is."""
+    if dataset.features[column] != datasets.Value("string"):
+        return dataset
+    paths = [
+        str(folder / value) if value and not os.path.isabs(value) and (folder / value).is_file() else value
+        for value in dataset[column]
+    ]
+    return dataset.remove_columns(column).add_column(column, paths)
 
 
 def load_from_disk(path: Path) -> datasets.Dataset | datasets.DatasetDict:

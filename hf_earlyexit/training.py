@@ -119,7 +119,7 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     if options.dataset == "easy-vqa":
         dataset = easy_vqa(options.split or "train")
     else:
-        dataset = load_image_text_dataset(options.dataset, options.split, columns)
+        dataset = load_image_text_dataset(options.dataset, options.split, columns, options.image_column)
     if options.model_dir:
         model, processor = load_model_and_processor(options.model_dir, **config_fields)
     elif checkpoint is not None:  # a new model's run: its tokenizer, which one trained on other data would not match

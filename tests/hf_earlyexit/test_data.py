@@ -1,5 +1,7 @@
 """Image-text data: easy-VQA, a user's data set by path and columns, the tokenizer and the collator."""
 
+import json
+
 import datasets
 import pytest
 import torch
@@ -178,6 +180,27 @@ def test_load_image_text_dataset_from_disk_and_by_loader(tmp_path):
     shapes_dataset(6).to_parquet(tmp_path / "parquet" / "train.parquet")
     loaded = load_image_text_dataset(f"parquet:{tmp_path / 'parquet'}", "train")
     assert len(loaded) == 6 and isinstance(loaded[0]["image"], Image.Image)
+
+
+def test_image_paths_in_a_loaders_files_are_read_from_its_data_folder(tmp_path, monkeypatch, processor):
+    """A JSON data set naming its images relative to its folder (as imagefolder's metadata does) failed from any other
+    working folder: "no image at images/0.png"."""
+    folder = tmp_path / "data"
+    (folder / "images").mkdir(parents=True)
+    rows = []
+    for index, color in enumerate(("red", "blue")):
+        Image.new("RGB", (32, 32), color).save(folder / "images" / f"{index}.png")
+        rows.append({"image": f"images/{index}.png", "question": " what color?", "answer": color})
+    (folder / "train-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    Image.new("RGB", (32, 32), "green").save(tmp_path / "elsewhere.png")
+    # A path that names no file in the folder is left as given: from the working folder.
+    (folder / "train-1.jsonl").write_text(json.dumps({**rows[0], "image": "elsewhere.png"}) + "\n")
+    monkeypatch.chdir(tmp_path)  # not the data folder
+    for source in (f"json:{folder}", str(folder)):
+        loaded = load_image_text_dataset(source, columns=["image", "answer"], image_column="image")
+        assert sorted(loaded["image"]) == sorted([*(str(folder / row["image"]) for row in rows), "elsewhere.png"])
+        batch = ImageTextCollator(processor, "image", "question", "answer")(list(loaded))
+        assert batch["pixel_values"].shape[0] == 3
 
 
 def test_load_image_text_dataset_names_missing_columns_and_splits(tmp_path):
