@@ -5,7 +5,9 @@ trains exits on any image-text data set by column names, and the run behind `hf-
 import argparse
 import copy
 import json
+import os
 import shutil
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -112,8 +114,10 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     columns = (options.image_column, text_column, options.target_column)
     prompt = CAPTION_PROMPT if options.prompt is None else options.prompt
     output_dir, checkpoint = Path(options.output_dir), None
+    recipe = run_recipe(options, config_fields, training_arguments)
     if options.resume:
         checkpoint = last_checkpoint(output_dir)
+        check_same_recipe(output_dir / RECIPE_FILE, recipe)
     else:
         check_output_dir(output_dir)
     if options.dataset == "easy-vqa":
@@ -142,12 +146,51 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     )
     if checkpoint is not None:
         check_resumable(Path(checkpoint), model, options.max_steps)
+    write_recipe(output_dir / RECIPE_FILE, recipe)  # once the data and the model loaded: the run starts
     trainer = train_exits(model, processor, dataset, args, *columns, prompt=prompt, resume_from_checkpoint=checkpoint)
     trainer.save_model()
     if trainer.is_world_process_zero():
         for folder in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
             shutil.rmtree(folder)
     return trainer
+
+
+# The run's recipe, written when it starts: `--resume` continues that run only, and the model folder (and a card
+# `publish` writes) carries it.
+RECIPE_FILE = "training_recipe.json"
+RECIPE_OPTIONS = ("dataset", "split", "image_column", "text_column", "target_column", "prompt", "model_dir",
+                  "batch_size", "learning_rate", "max_steps")  # fmt: skip
+
+
+def run_recipe(options: argparse.Namespace, config_fields: dict[str, Any], training_arguments: dict[str, Any]) -> dict:
+    """What makes a `fine_tune` run what it is: its data, model, heads, loss and optimisation options."""
+    trained = {name: value for name, value in training_arguments.items() if name not in ("disable_tqdm", "use_cpu")}
+    chosen = {name: getattr(options, name, None) for name in RECIPE_OPTIONS} | config_fields | trained
+    return {"script": Path(sys.argv[0]).name, "options": json.loads(json.dumps(chosen, default=str))}
+
+
+def check_same_recipe(path: Path, recipe: dict) -> None:
+    """A resumed run continues the stopped one: every option as it started, but more `max_steps`. ValueError naming
+    the first that differs (a run from before recipes were written is not checked)."""
+    if not path.is_file():
+        return
+    started = json.loads(path.read_text()).get("options", {})
+    given = recipe["options"]
+    differ = [name for name in {*started, *given} - {"max_steps"} if started.get(name) != given.get(name)]
+    if differ:
+        name = sorted(differ)[0]
+        raise ValueError(
+            f"--resume continues the stopped run as it started, with {name}={started.get(name)!r} (its "
+            f"{path.name}), not {given.get(name)!r}: give the same options, or train into a new --output-dir."
+        )
+
+
+def write_recipe(path: Path, recipe: dict) -> None:
+    """`recipe` into `path`, whole (each process of a sharded run writes the same)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(recipe, indent=2) + "\n")
+    partial.replace(path)
 
 
 def tokenizer_texts(dataset: Any, text_column: str | None, target_column: str, prompt: str) -> list[str]:

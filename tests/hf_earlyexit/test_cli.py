@@ -189,7 +189,8 @@ def test_a_stopped_train_run_resumes_from_its_last_checkpoint(tmp_path, capsys, 
     with monkeypatch.context() as patched:  # the run stops after its last step, before saving the model
         patched.setattr(EarlyExitTrainer, "save_model", stopped)
         assert main(argv) == 2
-    assert [path.name for path in (tmp_path / "run").iterdir()] == ["checkpoint-2"]  # the last one kept
+    run = {"checkpoint-2", "training_recipe.json"}  # the last checkpoint kept, and the recipe the run started with
+    assert {path.name for path in (tmp_path / "run").iterdir()} == run
     capsys.readouterr()
     assert main(argv) == 2 and "--resume" in capsys.readouterr().err  # never over the stopped run
     steps = argv.index("--max-steps") + 1
@@ -199,8 +200,10 @@ def test_a_stopped_train_run_resumes_from_its_last_checkpoint(tmp_path, capsys, 
     argv[steps] = "3"
     heads = ["--exit-adapter-dim", "8", "--exit-loss", "deep_supervision"]  # not the model the run trained
     assert main([*argv, *heads, "--resume"]) == 2
-    assert "holds another model's weights" in capsys.readouterr().err
-    assert [path.name for path in (tmp_path / "run").iterdir()] == ["checkpoint-2"]
+    assert "continues the stopped run as it started, with exit_adapter_dim=None" in capsys.readouterr().err
+    assert main([*argv, "--learning-rate", "0.5", "--resume"]) == 2  # nor its optimisation
+    assert "with learning_rate=0.0001 (its training_recipe.json), not 0.5" in capsys.readouterr().err
+    assert {path.name for path in (tmp_path / "run").iterdir()} == run
     argv[steps] = "2"  # its 2 steps are done (it stopped before saving the model): the checkpoint is the model
     assert main([*argv, "--resume"]) == 2
     assert (
@@ -214,10 +217,16 @@ def test_a_stopped_train_run_resumes_from_its_last_checkpoint(tmp_path, capsys, 
     other = shapes_dataset().map(lambda row: {"question": "which shape is drawn here?", "answer": "a square"})
     other.save_to_disk(tmp_path / "other")  # data with other words: a new tokenizer would number them otherwise
     argv[argv.index("--dataset") + 1] = str(tmp_path / "other")
+    assert main([*argv, "--resume"]) == 2 and "with dataset=" in capsys.readouterr().err  # not the run's data
+    recipe = json.loads((tmp_path / "run" / "training_recipe.json").read_text())
+    (tmp_path / "run" / "training_recipe.json").unlink()  # a run from before recipes: the weights are checked
+    assert main([*argv, *heads, "--resume"]) == 2
+    assert "holds another model's weights" in capsys.readouterr().err
     assert main([*argv, "--resume"]) == 0
     assert not list((tmp_path / "run").glob("checkpoint-*"))  # the saved model replaces the checkpoints
     assert AutoModel.from_pretrained(tmp_path / "run", trust_remote_code=True).config.decoder_layers > 0
     assert OFAProcessor.from_pretrained(tmp_path / "run").tokenizer.get_vocab() == vocabulary  # the run's own
+    assert recipe["options"]["max_steps"] == 2 and recipe["options"]["exit_loss"] == "layerwise"
     assert main([*argv, "--resume"]) == 2 and "no complete checkpoint" in capsys.readouterr().err
 
 
