@@ -24,7 +24,7 @@ SPECULATIVE_TASKS = ("caption",)
 @dataclass
 class ExitExample:
     """One prompt's output: each generated token with the decoder layer it exited after, and the encoder layers
-    its image and text streams ran."""
+    its image and text ran (each stream's own in a decomposed encoder, the same in a joint one)."""
 
     task: str
     prompt: str
@@ -42,6 +42,7 @@ class DemoReport:
     decoder_layers: int
     knobs: dict[str, Any]
     threads: int
+    decomposed_encoder: bool = True  # image and text as separate streams (MuE's), else one joint encoder
     tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
     examples: list[ExitExample] = field(default_factory=list)
     picture: Path | None = None  # None when no caption was decoded (or not yet)
@@ -71,8 +72,9 @@ def run_demo(
         )
     config = model.config
     report = DemoReport(
-        model_dir, model.num_parameters(), config.encoder_layers, config.decoder_layers, knobs, torch.get_num_threads()
-    )
+        model_dir, model.num_parameters(), config.encoder_layers, config.decoder_layers, knobs,
+        torch.get_num_threads(), config.decompose_encoder_modalities,
+    )  # fmt: skip
     yield report
     speculative = run_knobs(model, exit_mode="speculative")  # the same exits, drafting for the full model
     for name, count in samples.items():
@@ -156,8 +158,9 @@ def demo_lines(report: DemoReport) -> list[str]:
     end, so a caller prints the new ones as `run_demo` yields."""
     return [
         f"Loaded {report.model_dir} with AutoModel/AutoProcessor (trust_remote_code=True): OFA-EE, "
-        f"{report.parameters / 1e6:.1f}M parameters, {report.encoder_layers} encoder layers (image and text "
-        f"streams), {report.decoder_layers} decoder layers; calibrated exit defaults {report.knobs}",
+        f"{report.parameters / 1e6:.1f}M parameters, {report.encoder_layers} encoder layers ("
+        f"{'image and text streams' if report.decomposed_encoder else 'image and text together'}), "
+        f"{report.decoder_layers} decoder layers; calibrated exit defaults {report.knobs}",
         "Each task's test split through the full and the early-exit model, same inputs "
         f"({report.threads} CPU thread{'s' if report.threads != 1 else ''}; about 3 minutes on a 2-core CPU, a "
         "progress bar per task; expected time reductions from the part costs measured in the same rounds):",

@@ -141,6 +141,7 @@ def render_model_card(
     text = body.substitute(
         title=repo_id.split("/")[-1],
         architecture=architecture,
+        **encoder_words(bool(config.get("decompose_encoder_modalities"))),
         repo_id=repo_id,
         settings=f"`{json.dumps(knobs)}`" if knobs else "none (the model runs at full depth unless asked to exit)",
         defaults=defaults_sentence(bool(knobs), calibration),
@@ -150,6 +151,21 @@ def render_model_card(
         training=training_summary(recipe),
     )
     return f"---\n{data.to_yaml()}\n---\n\n{text}"
+
+
+def encoder_words(decomposed: bool) -> dict[str, str]:
+    """What the card says of the encoder's exits: per modality stream (MuE's decomposed encoder), or of the joint
+    encoder, whose image and text stop together."""
+    if decomposed:
+        return {
+            "encoder_exits": "The encoder runs image and text as separate streams, each of which can stop once its "
+            "layers stop changing its states",
+            "encoder_exit_layers": "the encoder layer the image and the text stream exited after",
+        }
+    return {
+        "encoder_exits": "The encoder (image and text together) can stop once its layers stop changing the states",
+        "encoder_exit_layers": "the encoder layer each row exited after, twice (image and text run together)",
+    }
 
 
 def defaults_sentence(saved: bool, calibration: dict[str, Any] | None) -> str:

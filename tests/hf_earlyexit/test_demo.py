@@ -1,5 +1,6 @@
 """The demo as a library: a report of what it measured, and its words kept apart from the measuring."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,8 @@ def test_demo_lines_say_the_report_in_words():
         "  [caption] what does the image describe? -> a(1) circle(2)  (encoder layers: image 3, text 2)",
         "The captions' exit layers, as a picture: out/caption_exits.png",
     ]
+    joint = dataclasses.replace(report, decomposed_encoder=False)  # said "streams" of one joint encoder
+    assert "4 encoder layers (image and text together), 4 decoder" in demo_lines(joint)[0]
 
 
 def test_a_speculative_run_that_never_drafted_says_so():

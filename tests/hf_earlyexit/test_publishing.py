@@ -185,6 +185,14 @@ def test_a_card_says_when_the_defaults_are_not_certified():
     assert guarantee(None).startswith("Guarantee: none recorded")
 
 
+def test_a_card_speaks_of_streams_only_for_a_decomposed_encoder():
+    """Every card spoke of image and text streams, which a joint encoder does not have."""
+    joint = render_model_card(REPO_ID, {"decompose_encoder_modalities": False}, {}, "")
+    assert "stream" not in joint and "The encoder (image and text together) can stop" in joint
+    decomposed = render_model_card(REPO_ID, {"decompose_encoder_modalities": True}, {}, "")
+    assert "separate streams" in decomposed and "the image and the text stream exited after" in decomposed
+
+
 def test_validation_loads_without_the_package_and_generates_with_and_without_exits(assembled):
     report = validate_folder(assembled)
     assert report["hf_earlyexit_imported"] is False
