@@ -19,6 +19,7 @@ from typing import Any
 
 from .benchmark import measure_part_costs
 from .evaluation import Asks, TaskInputs, risk_losses, run_task, score, split_task_inputs, task_inputs
+from .loading import weights_fingerprint
 from .measures import PartCosts, expected_time_reduction
 from .modeling.exit_controllers import SimilarityExit, make_controller
 from .modeling.exit_knobs import DRAFTING_KNOBS, ENCODER_PARTS, EXIT_KNOBS, encoder_exit_parts
@@ -518,11 +519,13 @@ def save_calibration(model, report: dict[str, Any], model_dir: str | Path) -> Pa
 def write_together(folder: str | Path, records: dict[str, dict[str, Any]], generation_config) -> None:
     """`generation_config` (its `save_pretrained`) and the JSON `records` into `folder`, all or none: written into a
     scratch folder inside it first and moved into place once every one is, so that a write that fails (a full disk, a
-    read-only file) leaves no defaults without the record of how they were chosen."""
+    read-only file) leaves no defaults without the record of how they were chosen. Each record names the weights it
+    was measured on (`weights_fingerprint`), which `publish` checks."""
+    weights = weights_fingerprint(folder)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".calibration-") as scratch:
         generation_config.save_pretrained(scratch)
         for name, record in records.items():
-            Path(scratch, name).write_text(json.dumps(record, indent=2) + "\n")
+            Path(scratch, name).write_text(json.dumps({**record, "weights": weights}, indent=2) + "\n")
         moved: list[tuple[Path, Path | None]] = []  # (file replaced, its earlier version kept in the scratch folder)
         try:
             for path in sorted(Path(scratch).iterdir()):

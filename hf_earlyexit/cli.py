@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import datasets
 
 from .data import CAPTION_PROMPT
-from .loading import check_writable, load_image, load_model_and_processor
+from .loading import check_writable, load_image, load_model_and_processor, weights_fingerprint
 from .modeling.exit_knobs import (
     EXIT_KNOBS,
     EXIT_MODES,
@@ -360,9 +360,10 @@ def bench_model(args: argparse.Namespace, device: "torch.device") -> dict[str, A
     model, processor = load_model_and_processor(args.model_dir)
     knobs = run_knobs(model, **given_knobs(args))
     run = dict(samples=args.samples, batch_size=args.batch_size, repeats=args.repeats, device=device, dtype=args.dtype)
-    return model_benchmark(
+    report = model_benchmark(
         model, processor, args.task, knobs, meteor=args.meteor, compiled_full=args.compiled_full, **run
     )
+    return {**report, "weights": weights_fingerprint(args.model_dir)}  # what `publish` checks the record against
 
 
 def bench_random_weights(args: argparse.Namespace, device: "torch.device") -> dict[str, Any]:

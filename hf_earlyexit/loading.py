@@ -1,6 +1,7 @@
 """Loading what the commands work on: images, a saved model with its processor, the processor of a converted
 checkpoint. Every user error is a ValueError that names the path or the mismatch."""
 
+import hashlib
 import io
 import json
 import os
@@ -59,6 +60,26 @@ def check_model_dir(model_dir: Path) -> dict[str, Any]:
     if (model_dir / "generation_config.json").is_file():
         json_object(model_dir / "generation_config.json")
     return config
+
+
+# The files a model folder's weights are saved in (sharded or not).
+WEIGHT_FILES = ("*.safetensors", "*.bin")
+
+
+def weights_fingerprint(model_dir: str | Path) -> str | None:
+    """The first 16 hex digits of a SHA-256 over the folder's weight files (names and bytes): what a benchmark or a
+    calibration record was measured on, so that `publish` never puts another model's numbers on a card. None for a
+    folder without weight files."""
+    paths = sorted(path for pattern in WEIGHT_FILES for path in Path(model_dir).glob(pattern))
+    if not paths:
+        return None
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode())
+        with path.open("rb") as file:
+            while chunk := file.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def load_image(path: str | Path) -> Image.Image:
@@ -154,4 +175,5 @@ __all__ = [
     "load_image",
     "load_model_and_processor",
     "open_image",
+    "weights_fingerprint",
 ]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .loading import check_model_dir, json_object, load_model_and_processor
+from .loading import check_model_dir, json_object, load_model_and_processor, weights_fingerprint
 from .model_cards import measured_table, read_benchmark, render_model_card
 from .modeling import EarlyExitOFAForConditionalGeneration
 from .modeling.exit_controllers import FixedLayerExit
@@ -97,7 +97,9 @@ def staged_assembly(
     config = check_model_dir(model_dir)
     if benchmark is None:
         benchmark = [model_dir / "benchmark.jsonl"] if (model_dir / "benchmark.jsonl").is_file() else []
-    records = [record for path in benchmark for record in read_benchmark(path)]
+    by_file = {Path(path): read_benchmark(path) for path in benchmark}
+    check_measured_on(model_dir, by_file)
+    records = [record for file_records in by_file.values() for record in file_records]
     if not records:
         raise ValueError(
             f"The model card needs measured numbers: run `hf-earlyexit bench {model_dir} --task TASK --json >> "
@@ -135,6 +137,28 @@ def staged_assembly(
             if path.is_file():
                 path.chmod(mode)
     return staging, target, replacing
+
+
+def check_measured_on(model_dir: Path, benchmark: dict[Path, list[dict[str, Any]]]) -> None:
+    """The benchmark records (per file) and the folder's calibration records were measured on `model_dir`'s weights,
+    where they name theirs (`weights_fingerprint`; records from before it are taken as they are). ValueError naming
+    the first that was not: the card would show another model's numbers, or guarantees."""
+    weights = weights_fingerprint(model_dir)
+    for path, records in benchmark.items():
+        for number, record in enumerate(records, start=1):
+            if record.get("weights") not in (None, weights):
+                raise ValueError(
+                    f"{path}, record {number}: measured on other weights (fingerprint {record['weights']}) than "
+                    f"{model_dir}'s ({weights}): re-run `hf-earlyexit bench {model_dir} --json` on them."
+                )
+    for name in RECORDS:
+        path = model_dir / name
+        recorded = json_object(path).get("weights") if path.is_file() else None
+        if recorded not in (None, weights):
+            raise ValueError(
+                f"{path} was written for other weights (fingerprint {recorded}) than {model_dir}'s ({weights}): "
+                f"calibrate this model again (`hf-earlyexit calibrate {model_dir} --write`), or remove it."
+            )
 
 
 @contextlib.contextmanager

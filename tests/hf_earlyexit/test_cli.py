@@ -299,6 +299,8 @@ def test_eval_against_the_full_model_reports_the_risk_a_certificate_bounds(task_
 def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_path, capsys):
     from PIL import Image
 
+    from hf_earlyexit.loading import weights_fingerprint
+
     plot = tmp_path / "tradeoff.png"
     # VQA only: on this random model every setting that saves time loses all of the captions' CIDEr (the full
     # model's 0.007), and one that is slower than the full model is never chosen.
@@ -319,7 +321,9 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
     assert chosen.get("encoder_min_exit_layer") == (1 if encoder_exits else None)
     saved = json.loads((task_model_dir / "generation_config.json").read_text())
     assert all(saved[name] == value for name, value in chosen.items())
+    weights = weights_fingerprint(task_model_dir)  # the records name the weights they were measured on
     assert json.loads((task_model_dir / "calibration.json").read_text())["chosen"] == chosen
+    assert json.loads((task_model_dir / "calibration.json").read_text())["weights"] == weights
     assert Image.open(plot).size[0] > 0
 
     argv = ["bench", str(task_model_dir), "--task", "vqa", "--samples", "4", "--batch-size", "2", "--repeats", "1"]
@@ -329,6 +333,7 @@ def test_calibrate_writes_the_choice_and_bench_measures_it(task_model_dir, tmp_p
 
     saved = {name: value for name, value in chosen.items() if value != EXIT_KNOBS[name]}  # defaults are implied
     assert report["task"] == "vqa" and report["metric"] == "accuracy" and report["early_exit"]["settings"] == saved
+    assert report["weights"] == weights and len(weights) == 16
     for side in ("full", "early_exit"):
         assert {"quality", "seconds"} <= set(report[side]) and report[side]["seconds"] > 0
     # Below 0 where the controller's tests cost more than the layers they save (a tiny model's few tokens).

@@ -14,6 +14,7 @@ import hf_earlyexit
 from hf_earlyexit import publishing
 from hf_earlyexit.calibration import write_generation_defaults
 from hf_earlyexit.cli import main
+from hf_earlyexit.loading import weights_fingerprint
 from hf_earlyexit.model_cards import guarantee, measured_table, read_benchmark, render_model_card
 from hf_earlyexit.publishing import PublishError, assemble, publish, validate_folder
 from hf_earlyexit.training import small_model_and_processor
@@ -326,6 +327,12 @@ def test_a_model_folder_without_a_processor_fails_before_an_earlier_assembly_is_
         (lambda folder: (folder / "training_recipe.json").write_text("{"), "training_recipe.json is not JSON"),
         (lambda folder: (folder / "benchmark.jsonl").write_text(json.dumps({**RECORD, "full": "x"}) + "\n"),
          "A benchmark record is not what `hf-earlyexit bench --json` prints"),
+        # Records measured on other weights: the card showed another model's numbers and guarantees.
+        (lambda folder: (folder / "benchmark.jsonl").write_text(
+            "".join(json.dumps({**RECORD, "weights": w}) + "\n" for w in (weights_fingerprint(folder), "0" * 16))),
+         r"benchmark.jsonl, record 2: measured on other weights \(fingerprint 0000000000000000\)"),
+        (lambda folder: patch_json(folder / "calibration.json", weights="0" * 16),
+         "calibration.json was written for other weights .* calibrate this model again"),
     ],
 )  # fmt: skip
 def test_bad_records_and_a_failed_validation_keep_the_earlier_assembly_and_leave_no_staging(
