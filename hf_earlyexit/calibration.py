@@ -9,8 +9,10 @@ A certificate needs the order of its fixed-sequence test fixed before the tested
 a `risk` orders the grid on the first `ORDERING_SHARE` of each task's samples and tests on the rest.
 """
 
+import contextlib
 import itertools
 import json
+import os
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -527,7 +529,7 @@ def write_together(folder: str | Path, records: dict[str, dict[str, Any]], gener
         for name, record in records.items():
             Path(scratch, name).write_text(json.dumps({**record, "weights": weights}, indent=2) + "\n")
         moved: list[tuple[Path, Path | None]] = []  # (file replaced, its earlier version kept in the scratch folder)
-        try:
+        with folder_locked(folder), restored_on_error(moved):
             for path in sorted(Path(scratch).iterdir()):
                 target, kept = Path(folder, path.name), None
                 if target.is_dir():
@@ -537,13 +539,38 @@ def write_together(folder: str | Path, records: dict[str, dict[str, Any]], gener
                     target.replace(kept)
                 moved.append((target, kept))
                 path.replace(target)
-        except OSError:  # a later file could not be replaced: the earlier ones go back to what they were
-            for target, kept in reversed(moved):
-                if kept is not None:
-                    kept.replace(target)
-                else:
-                    target.unlink(missing_ok=True)
-            raise
+
+
+@contextlib.contextmanager
+def folder_locked(folder: str | Path):
+    """An exclusive lock on `folder` (POSIX `flock`; none elsewhere): two calibrations writing into one model folder
+    at once take turns, so that its defaults and records come from one of them."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
+
+
+@contextlib.contextmanager
+def restored_on_error(moved: list[tuple[Path, Path | None]]):
+    """Where a later file could not be replaced (OSError), the earlier ones of `moved` (file replaced, its earlier
+    version or None) go back to what they were."""
+    try:
+        yield
+    except OSError:
+        for target, kept in reversed(moved):
+            if kept is not None:
+                kept.replace(target)
+            else:
+                target.unlink(missing_ok=True)
+        raise
 
 
 __all__ = [

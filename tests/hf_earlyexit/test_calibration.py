@@ -243,6 +243,23 @@ def test_a_file_that_cannot_be_replaced_after_another_was_puts_the_other_back(tm
     assert {path.name: path.read_text() for path in tmp_path.iterdir()} == before
 
 
+def test_two_calibrations_writing_one_folder_take_turns(tmp_path):
+    """Two `calibrate --write` into one folder at once could leave one's defaults beside the other's record."""
+    import threading
+
+    from hf_earlyexit.calibration import folder_locked
+
+    model = tiny_model()
+    report = {"chosen": {"exit_policy": "confidence", "exit_threshold": 0.5}, "tolerance": 0.01}
+    writer = threading.Thread(target=save_calibration, args=(model, report, tmp_path))
+    with folder_locked(tmp_path):  # another calibration is moving its files in
+        writer.start()
+        writer.join(timeout=1.0)
+        assert writer.is_alive() and not (tmp_path / "calibration.json").exists()  # it waits its turn
+    writer.join()
+    assert json.loads((tmp_path / "calibration.json").read_text())["chosen"] == report["chosen"]
+
+
 def test_a_setting_slower_than_the_full_model_is_never_chosen():
     """A threshold no token reaches pays the tests and skips nothing: `calibrate --write` saved it over good ones."""
     slower = [OperatingPoint({"exit_threshold": 0.99999}, 1.0, -0.05)]
