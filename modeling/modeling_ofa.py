@@ -845,7 +845,8 @@ class OFAEncoder(nn.Module):
         for _ in range(len(layers) + 1 - len(states)):  # layers no row ran: each row holds its output
             states.append(exits.snapshot("output", hidden_states))
             attentions.append(None if attentions[-1] is None else torch.zeros_like(attentions[-1]))
-        return exits.gather("output", hidden_states), states, attentions, exits.exit_layers
+        final, exit_layers = exits.gather("output", hidden_states)
+        return final, states, attentions, exit_layers
 
     def embed(
         self,
@@ -1798,7 +1799,8 @@ class OFADecoder(nn.Module):
         # them.
         step_logits = state.computed_logits if exits.stopped_together and tokens.shape[1] == 1 else None
         final = exit_state() if exits.finished else hidden_states  # the last layer run, as an exit head's input
-        last_hidden_state = self.layer_norm(exits.gather("exit_state", final))
+        final, exit_layers = exits.gather("exit_state", final)
+        last_hidden_state = self.layer_norm(final)
         states, self_attentions, cross_attentions = zip(*layer_outputs, strict=True)
         return OFADecoderOutput(
             last_hidden_state=last_hidden_state,
@@ -1808,7 +1810,7 @@ class OFADecoder(nn.Module):
             cross_attentions=cross_attentions[1:] if output_attentions else None,
             exit_hidden_states=(*exit_states, last_hidden_state) if output_exit_hidden_states else None,
             logits=step_logits[:, None] if step_logits is not None else None,
-            exit_layers=exits.exit_layers,
+            exit_layers=exit_layers,
         )
 
 

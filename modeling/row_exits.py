@@ -338,20 +338,22 @@ class RowExits:
             running_state.new_zeros((len(self.exit_layers), *running_state.shape[1:])), running_state
         )
 
-    def gather(self, name: str, running_state: torch.Tensor) -> torch.Tensor:
-        """Each row's final `name` state [batch, ...]: the one it kept, or `running_state` [running rows, ...] (the
-        state of the last layer run) for the rows still waiting, and for every running row when their output comes
-        from the layer where the batch stopped (whose `exit_layers` then become that layer)."""
+    def gather(self, name: str, running_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's final `name` state [batch, ...] and the layer it comes from [batch]: the state it kept at its
+        exit, or `running_state` [running rows, ...] (the state of the last layer run) for the rows still waiting,
+        and for every running row when their output comes from the layer where the batch stopped (then the layer
+        is that one, not their exit)."""
         stopped = self._states.get(name)
         if self.token_from_batch_layer:
-            self.exit_layers[self.running] = self.layers_run[self.running]
+            exit_layers = self.exit_layers.clone()
+            exit_layers[self.running] = self.layers_run[self.running]
             if stopped is None or len(self.running) == len(self.exit_layers):
-                return running_state
+                return running_state, exit_layers
             stopped[self.running] = running_state
-            return stopped
+            return stopped, exit_layers
         if stopped is None:
-            return running_state
-        return self.with_waiting_rows(stopped, running_state) if self.waiting_count else stopped
+            return running_state, self.exit_layers
+        return self.with_waiting_rows(stopped, running_state) if self.waiting_count else stopped, self.exit_layers
 
     def with_waiting_rows(self, state: torch.Tensor, running_state: torch.Tensor) -> torch.Tensor:
         """`state` [batch, ...] with the rows still waiting set to theirs in `running_state` [running rows, ...]."""

@@ -18,8 +18,8 @@ def test_rows_that_stop_leave_with_their_state_and_the_rest_go_on():
     hidden = states(2, 2.0)
     hidden, shared = exits.stop(2, torch.tensor([False, False]), {"output": lambda: 1 / 0}, {}, (hidden, shared))
     assert not exits.finished  # nobody stopped, so the state was never computed
-    final = exits.gather("output", states(2, 3.0))
-    assert exits.exit_layers.tolist() == [3, 1, 3, 1] and exits.layers_run.tolist() == [3, 1, 3, 1]
+    final, exit_layers = exits.gather("output", states(2, 3.0))
+    assert exit_layers.tolist() == [3, 1, 3, 1] and exits.layers_run.tolist() == [3, 1, 3, 1]
     assert final[:, 0].tolist() == [3.0, 1.0, 3.0, 1.0]
     assert not exits.stopped_together
 
@@ -29,7 +29,8 @@ def test_a_batch_that_stops_at_once_keeps_its_states_without_a_copy():
     hidden = states(3, 7.0)
     exits.stop(2, torch.ones(3, dtype=torch.bool), {"output": hidden}, {}, (hidden,))
     assert exits.finished and exits.stopped_together
-    assert exits.gather("output", hidden) is hidden and exits.exit_layers.tolist() == [2, 2, 2]
+    final, exit_layers = exits.gather("output", hidden)
+    assert final is hidden and exit_layers.tolist() == [2, 2, 2]
 
 
 def test_the_last_rows_to_stop_finish_the_loop_with_the_earlier_ones_states():
@@ -37,8 +38,9 @@ def test_the_last_rows_to_stop_finish_the_loop_with_the_earlier_ones_states():
     (hidden,) = exits.stop(1, torch.tensor([True, False, False]), {"output": states(3, 1.0)}, {}, (states(3, 1.0),))
     exits.stop(2, torch.tensor([True, True]), {"output": states(2, 2.0)}, {}, (hidden,))
     assert exits.finished and not exits.stopped_together
-    assert exits.gather("output", states(2, 9.0))[:, 0].tolist() == [1.0, 2.0, 2.0]
-    assert exits.stopped_state("output") is not None and exits.exit_layers.tolist() == [1, 2, 2]
+    final, exit_layers = exits.gather("output", states(2, 9.0))
+    assert final[:, 0].tolist() == [1.0, 2.0, 2.0] and exit_layers.tolist() == [1, 2, 2]
+    assert exits.stopped_state("output") is not None
 
 
 def test_kept_rows_run_on_with_the_batch_and_keep_the_state_they_were_ready_with():
@@ -51,7 +53,7 @@ def test_kept_rows_run_on_with_the_batch_and_keep_the_state_they_were_ready_with
     exits.stop(3, torch.tensor([False, True, True]), {"token": states(3, 3.0)}, {"output": states(3, 30.0)}, (hidden,))
     assert exits.finished and not exits.stopped_together
     assert exits.exit_layers.tolist() == [1, 3, 3] and exits.layers_run.tolist() == [3, 3, 3]
-    assert exits.gather("token", states(3, 9.0))[:, 0].tolist() == [1.0, 3.0, 3.0]
+    assert exits.gather("token", states(3, 9.0))[0][:, 0].tolist() == [1.0, 3.0, 3.0]
     assert exits.stopped_state("output")[:, 0].tolist() == [30.0, 30.0, 30.0]  # left at layer 3, all of them
 
 
@@ -61,8 +63,9 @@ def test_tokens_from_the_batch_layer_take_the_last_layer_the_batch_ran():
     exits.stop(1, torch.tensor([True, False, False]), {"token": hidden}, {}, (hidden,))
     exits.stop(2, torch.tensor([False, True, False]), {"token": states(3, 2.0)}, {}, (hidden,))
     assert not exits.finished
-    assert exits.gather("token", states(3, 4.0))[:, 0].tolist() == [4.0, 4.0, 4.0]  # the batch ran to depth 4
-    assert exits.exit_layers.tolist() == [4, 4, 4]
+    final, exit_layers = exits.gather("token", states(3, 4.0))
+    assert final[:, 0].tolist() == [4.0, 4.0, 4.0] and exit_layers.tolist() == [4, 4, 4]  # the batch ran to depth 4
+    assert exits.exit_layers.tolist() == [1, 2, 4]  # where each row was ready: the result is returned, not written
 
 
 def test_the_batch_stops_once_the_fraction_of_ready_rows_is_reached():
