@@ -500,7 +500,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-column", default="answer")
     parser.add_argument("--prompt", help=f"every row's prompt, with --text-column '' (default {CAPTION_PROMPT!r})")
     parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--max-steps", type=positive_int, default=1000)
+    parser.add_argument(
+        "--max-steps", type=positive_int, help="training steps in all (default 1000; with --resume, the stopped run's)"
+    )
     parser.add_argument("--batch-size", type=positive_int, default=32, help="per process (default 32)")
     parser.add_argument("--learning-rate", type=positive_float, default=1e-4)
     parser.add_argument(

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .data import CAPTION_PROMPT, ImageTextCollator, easy_vqa, load_image_text_dataset, row_text, train_tokenizer
-from .loading import check_writable, load_model_and_processor
+from .loading import check_writable, json_object, load_model_and_processor
 from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from .modeling.modeling_ofa import in_exit_head
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
@@ -114,12 +114,12 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     columns = (options.image_column, text_column, options.target_column)
     prompt = CAPTION_PROMPT if options.prompt is None else options.prompt
     output_dir, checkpoint = Path(options.output_dir), None
-    recipe = run_recipe(options, config_fields, training_arguments)
     if options.resume:
         checkpoint = last_checkpoint(output_dir)
-        check_same_recipe(output_dir / RECIPE_FILE, recipe)
     else:
         check_output_dir(output_dir)
+    recipe = run_recipe(options, config_fields, training_arguments, output_dir / RECIPE_FILE if checkpoint else None)
+    max_steps = recipe["options"]["max_steps"]
     if options.dataset == "easy-vqa":
         dataset = easy_vqa(options.split or "train")
     else:
@@ -134,10 +134,10 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     training_arguments.setdefault("use_cpu", not torch.accelerator.is_available())
     args = EarlyExitTrainingArguments(
         output_dir=str(output_dir),
-        max_steps=options.max_steps,
+        max_steps=max_steps,
         per_device_train_batch_size=options.batch_size,
         learning_rate=options.learning_rate,
-        logging_steps=max(1, options.max_steps // 20),
+        logging_steps=max(1, max_steps // 20),
         save_strategy="steps",
         save_steps=options.save_steps,
         save_total_limit=1,
@@ -145,7 +145,7 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
         **training_arguments,
     )
     if checkpoint is not None:
-        check_resumable(Path(checkpoint), model, options.max_steps)
+        check_resumable(Path(checkpoint), model, max_steps)
     write_recipe(output_dir / RECIPE_FILE, recipe)  # once the data and the model loaded: the run starts
     trainer = train_exits(model, processor, dataset, args, *columns, prompt=prompt, resume_from_checkpoint=checkpoint)
     trainer.save_model()
@@ -159,30 +159,33 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
 # `publish` writes) carries it.
 RECIPE_FILE = "training_recipe.json"
 RECIPE_OPTIONS = ("dataset", "split", "image_column", "text_column", "target_column", "prompt", "model_dir",
-                  "batch_size", "learning_rate", "max_steps")  # fmt: skip
+                  "batch_size", "learning_rate")  # fmt: skip
+DEFAULT_MAX_STEPS = 1000
 
 
-def run_recipe(options: argparse.Namespace, config_fields: dict[str, Any], training_arguments: dict[str, Any]) -> dict:
-    """What makes a `fine_tune` run what it is: its data, model, heads, loss and optimisation options."""
+def run_recipe(
+    options: argparse.Namespace,
+    config_fields: dict[str, Any],
+    training_arguments: dict[str, Any],
+    started: Path | None = None,
+) -> dict:
+    """What makes a `fine_tune` run what it is: its data, model, heads, loss and optimisation options, and its
+    `max_steps` in all (`options.max_steps`, else the `started` run's, else `DEFAULT_MAX_STEPS`). A run that resumes
+    the one whose recipe is at `started` must be that run: ValueError naming every option given otherwise (a run
+    from before recipes were written is not checked)."""
     trained = {name: value for name, value in training_arguments.items() if name not in ("disable_tqdm", "use_cpu")}
     chosen = {name: getattr(options, name, None) for name in RECIPE_OPTIONS} | config_fields | trained
-    return {"script": Path(sys.argv[0]).name, "options": json.loads(json.dumps(chosen, default=str))}
-
-
-def check_same_recipe(path: Path, recipe: dict) -> None:
-    """A resumed run continues the stopped one: every option as it started, but more `max_steps`. ValueError naming
-    the first that differs (a run from before recipes were written is not checked)."""
-    if not path.is_file():
-        return
-    started = json.loads(path.read_text()).get("options", {})
-    given = recipe["options"]
-    differ = [name for name in {*started, *given} - {"max_steps"} if started.get(name) != given.get(name)]
-    if differ:
-        name = sorted(differ)[0]
+    given = json.loads(json.dumps(chosen, default=str))
+    before = json_object(started).get("options", {}) if started is not None and started.is_file() else {}
+    differ = sorted(name for name in {*before, *given} - {"max_steps"} if before.get(name) != given.get(name))
+    if before and differ:
         raise ValueError(
-            f"--resume continues the stopped run as it started, with {name}={started.get(name)!r} (its "
-            f"{path.name}), not {given.get(name)!r}: give the same options, or train into a new --output-dir."
+            f"--resume continues the stopped run as it started ({started.name}): "
+            + "; ".join(f"{name}={before.get(name)!r} there, {given.get(name)!r} here" for name in differ)
+            + ". Give the same options, or train into a new --output-dir."
         )
+    max_steps = options.max_steps or before.get("max_steps") or DEFAULT_MAX_STEPS
+    return {"script": Path(sys.argv[0]).name, "options": {**given, "max_steps": max_steps}}
 
 
 def write_recipe(path: Path, recipe: dict) -> None:

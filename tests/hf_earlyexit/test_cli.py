@@ -200,12 +200,17 @@ def test_a_stopped_train_run_resumes_from_its_last_checkpoint(tmp_path, capsys, 
     argv[steps] = "3"
     heads = ["--exit-adapter-dim", "8", "--exit-loss", "deep_supervision"]  # not the model the run trained
     assert main([*argv, *heads, "--resume"]) == 2
-    assert "continues the stopped run as it started, with exit_adapter_dim=None" in capsys.readouterr().err
+    err = capsys.readouterr().err  # every option given otherwise is named
+    assert (
+        "continues the stopped run as it started (training_recipe.json): exit_adapter_dim=None there, 8 here; " in err
+    )
+    assert "exit_loss='layerwise' there, 'deep_supervision' here. Give the same options" in err
     assert main([*argv, "--learning-rate", "0.5", "--resume"]) == 2  # nor its optimisation
-    assert "with learning_rate=0.0001 (its training_recipe.json), not 0.5" in capsys.readouterr().err
+    assert "learning_rate=0.0001 there, 0.5 here" in capsys.readouterr().err
     assert {path.name for path in (tmp_path / "run").iterdir()} == run
-    argv[steps] = "2"  # its 2 steps are done (it stopped before saving the model): the checkpoint is the model
-    assert main([*argv, "--resume"]) == 2
+    # Without --max-steps, the stopped run's 2 (not 1000), which are done (it stopped before saving the model): the
+    # checkpoint is the model.
+    assert main([*argv[: steps - 1], *argv[steps + 1 :], "--resume"]) == 2
     assert (
         "checkpoint-2 stopped at step 2, which --max-steps 2 leaves nothing after: that folder holds the trained"
         in (capsys.readouterr().err)
@@ -217,7 +222,7 @@ def test_a_stopped_train_run_resumes_from_its_last_checkpoint(tmp_path, capsys, 
     other = shapes_dataset().map(lambda row: {"question": "which shape is drawn here?", "answer": "a square"})
     other.save_to_disk(tmp_path / "other")  # data with other words: a new tokenizer would number them otherwise
     argv[argv.index("--dataset") + 1] = str(tmp_path / "other")
-    assert main([*argv, "--resume"]) == 2 and "with dataset=" in capsys.readouterr().err  # not the run's data
+    assert main([*argv, "--resume"]) == 2 and "dataset='" in capsys.readouterr().err  # not the run's data
     recipe = json.loads((tmp_path / "run" / "training_recipe.json").read_text())
     (tmp_path / "run" / "training_recipe.json").unlink()  # a run from before recipes: the weights are checked
     assert main([*argv, *heads, "--resume"]) == 2
