@@ -98,14 +98,19 @@ def fastest_within_tolerance(
     """The point with the largest expected time reduction whose quality is at least (1 - tolerance) x the full
     model's (ties: the higher quality); None if no point qualifies."""
     check_tolerance(tolerance)
-    eligible = [p for p in points if saves_time(p) and within_tolerance(p.quality, full_quality, tolerance)]
+    eligible = [
+        p
+        for p in points
+        if saves_time(p.expected_time_reduction) and within_tolerance(p.quality, full_quality, tolerance)
+    ]
     return max(eligible, key=lambda p: (p.expected_time_reduction, p.quality), default=None)
 
 
-def saves_time(point: OperatingPoint) -> bool:
-    """Whether a setting is expected to be faster than the full model: one that is not (its exit tests cost more than
-    the layers it skips) is never chosen, since the full model is then better in both quality and time."""
-    return point.expected_time_reduction > 0
+def saves_time(expected_time_reduction: float) -> bool:
+    """Whether a setting with this expected time reduction is expected to be faster than the full model: one that is
+    not (its exit tests cost more than the layers it skips) is never chosen, since the full model is then better in
+    both quality and time."""
+    return expected_time_reduction > 0
 
 
 def settings_key(settings: dict[str, Any]) -> str:
@@ -241,7 +246,7 @@ def fastest_on_every_task(eligible: dict[str, Sequence[OperatingPoint]]) -> dict
         for key, points in by_setting.items()
         if len(points) == len(eligible)
     }
-    saving = [key for key, reduction in mean_reductions.items() if reduction > 0]  # as `saves_time`, on the mean
+    saving = [key for key, reduction in mean_reductions.items() if saves_time(reduction)]
     best = max(saving, key=mean_reductions.__getitem__, default=None)
     return None if best is None else dict(by_setting[best][0].settings)
 
@@ -543,8 +548,8 @@ def write_together(folder: str | Path, records: dict[str, dict[str, Any]], gener
 
 @contextlib.contextmanager
 def folder_locked(folder: str | Path):
-    """An exclusive lock on `folder` (POSIX `flock`; none elsewhere): two calibrations writing into one model folder
-    at once take turns, so that its defaults and records come from one of them."""
+    """An exclusive lock on `folder` (POSIX `flock`, where the file system has locks; none elsewhere): two
+    calibrations writing into one model folder at once take turns, so that its defaults and records come from one."""
     try:
         import fcntl
     except ImportError:
@@ -552,7 +557,10 @@ def folder_locked(folder: str | Path):
         return
     descriptor = os.open(folder, os.O_RDONLY)
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks (NFS without lockd, some FUSE): the write goes on unlocked
+            pass
         yield
     finally:
         os.close(descriptor)  # releases the lock

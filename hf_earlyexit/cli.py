@@ -27,6 +27,7 @@ from .modeling.exit_knobs import (
     non_default_knobs,
 )
 from .publishing import PublishError, publish
+from .training import DEFAULT_MAX_STEPS
 
 if TYPE_CHECKING:
     import torch
@@ -501,7 +502,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", help=f"every row's prompt, with --text-column '' (default {CAPTION_PROMPT!r})")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument(
-        "--max-steps", type=positive_int, help="training steps in all (default 1000; with --resume, the stopped run's)"
+        "--max-steps",
+        type=positive_int,
+        help=f"training steps in all (default {DEFAULT_MAX_STEPS}; with --resume, the stopped run's)",
     )
     parser.add_argument("--batch-size", type=positive_int, default=32, help="per process (default 32)")
     parser.add_argument("--learning-rate", type=positive_float, default=1e-4)

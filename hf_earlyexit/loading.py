@@ -1,15 +1,19 @@
 """Loading what the commands work on: images, a saved model with its processor, the processor of a converted
 checkpoint. Every user error is a ValueError that names the path or the mismatch."""
 
+import contextlib
+import functools
 import hashlib
 import io
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from .modeling.modeling_ofa import EarlyExitOFAForConditionalGeneration, in_exit_head
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
@@ -62,23 +66,27 @@ def check_model_dir(model_dir: Path) -> dict[str, Any]:
     return config
 
 
-# The files a model folder's weights are saved in (sharded or not).
-WEIGHT_FILES = ("*.safetensors", "*.bin")
-
-
 def weights_fingerprint(model_dir: str | Path) -> str | None:
-    """The first 16 hex digits of a SHA-256 over the folder's weight files (names and bytes): what a benchmark or a
-    calibration record was measured on, so that `publish` never puts another model's numbers on a card. None for a
-    folder without weight files."""
-    paths = sorted(path for pattern in WEIGHT_FILES for path in Path(model_dir).glob(pattern))
-    if not paths:
-        return None
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(path.name.encode())
-        with path.open("rb") as file:
-            while chunk := file.read(1 << 22):
-                digest.update(chunk)
+    """The first 16 hex digits of a SHA-256 over the weights in a model folder (`model*.safetensors`, else
+    `pytorch_model*.bin`): each tensor's name, dtype, shape and bytes, by name, so the same weights give the same
+    fingerprint however they were saved (in shards or not). What a benchmark or calibration record was measured on,
+    which `publish` checks, so that a card never shows another model's numbers. None for a folder without weights."""
+    folder = Path(model_dir)
+    with contextlib.ExitStack() as files:
+        tensors: dict[str, Callable[[], torch.Tensor]] = {}
+        for path in sorted(folder.glob("model*.safetensors")):
+            weights = files.enter_context(safe_open(path, "pt"))
+            tensors |= {name: functools.partial(weights.get_tensor, name) for name in weights.keys()}
+        for path in [] if tensors else sorted(folder.glob("pytorch_model*.bin")):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            tensors |= {name: functools.partial(state.__getitem__, name) for name in state}
+        if not tensors:
+            return None
+        digest = hashlib.sha256()
+        for name in sorted(tensors):
+            tensor = tensors[name]()
+            digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+            digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()[:16]
 
 

@@ -28,9 +28,10 @@ from .modeling import EarlyExitOFAForConditionalGeneration
 from .modeling.exit_controllers import FixedLayerExit
 from .modeling.exit_knobs import NO_EXIT, resolve_knobs
 from .modeling.processing_ofa import OFAProcessor
+from .trainers import RECIPE_FILE
 
 # Copied from the model folder when present: the calibration sweep and how the model was trained.
-RECORDS = ("calibration.json", "calibration_speculative.json", "training_recipe.json")
+RECORDS = ("calibration.json", "calibration_speculative.json", RECIPE_FILE)
 VALIDATION_IMAGE = "validation_image.png"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -97,9 +98,7 @@ def staged_assembly(
     config = check_model_dir(model_dir)
     if benchmark is None:
         benchmark = [model_dir / "benchmark.jsonl"] if (model_dir / "benchmark.jsonl").is_file() else []
-    by_file = {Path(path): read_benchmark(path) for path in benchmark}
-    check_measured_on(model_dir, by_file)
-    records = [record for file_records in by_file.values() for record in file_records]
+    records = [record for path in benchmark for record in read_benchmark(path)]
     if not records:
         raise ValueError(
             f"The model card needs measured numbers: run `hf-earlyexit bench {model_dir} --task TASK --json >> "
@@ -108,6 +107,7 @@ def staged_assembly(
     plot = checked_plot(model_dir, plot)
     # This package's classes, whose code the folder ships; weights checked against the config as every command does.
     model, processor = load_model_and_processor(model_dir, remote_code=False)
+    check_measured_on(model_dir, benchmark)  # once the weights are known to read
     resolve_knobs(model.config, model.generation_config)  # saved exit defaults checked before the assembly
     replacing = check_replaceable(output_dir, model_dir)
     # Assembled beside `output_dir` and moved into place once whole: an earlier assembly stays until then, and a
@@ -125,6 +125,9 @@ def staged_assembly(
         for name in RECORDS:
             if (model_dir / name).is_file():
                 shutil.copy(model_dir / name, staging / name)
+        if (staging / RECIPE_FILE).is_file():  # its data block names this machine's folders (for `--resume`)
+            recipe = {key: value for key, value in json_object(staging / RECIPE_FILE).items() if key != "data"}
+            (staging / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
         (staging / "benchmark.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
         if plot is not None:
             shutil.copy(plot, staging / "tradeoff.png")
@@ -139,17 +142,19 @@ def staged_assembly(
     return staging, target, replacing
 
 
-def check_measured_on(model_dir: Path, benchmark: dict[Path, list[dict[str, Any]]]) -> None:
-    """The benchmark records (per file) and the folder's calibration records were measured on `model_dir`'s weights,
-    where they name theirs (`weights_fingerprint`; records from before it are taken as they are). ValueError naming
-    the first that was not: the card would show another model's numbers, or guarantees."""
+def check_measured_on(model_dir: Path, benchmark: list[str | Path]) -> None:
+    """The records in the `benchmark` files (read: `read_benchmark`) and the folder's calibration records were
+    measured on `model_dir`'s weights, where they name theirs (`weights_fingerprint`; records from before it are
+    taken as they are). ValueError naming the first that was not: the card would show another model's numbers, or
+    guarantees."""
     weights = weights_fingerprint(model_dir)
-    for path, records in benchmark.items():
-        for number, record in enumerate(records, start=1):
-            if record.get("weights") not in (None, weights):
+    for path in benchmark:
+        for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+            recorded = json.loads(line).get("weights") if line.strip() else None
+            if recorded not in (None, weights):
                 raise ValueError(
-                    f"{path}, record {number}: measured on other weights (fingerprint {record['weights']}) than "
-                    f"{model_dir}'s ({weights}): re-run `hf-earlyexit bench {model_dir} --json` on them."
+                    f"{path}, line {number}: measured on other weights (fingerprint {recorded}) than {model_dir}'s "
+                    f"({weights}): re-run `hf-earlyexit bench {model_dir} --json` on them."
                 )
     for name in RECORDS:
         path = model_dir / name
@@ -200,7 +205,7 @@ def write_card(
     folder: Path, model, config: dict, records: list[dict], repo_id: str, plot: bool, card_fields: dict[str, Any]
 ) -> None:
     """The model card, README.md, of an assembled `folder` from its records and the model's saved defaults."""
-    recipe_file, calibration_file = folder / "training_recipe.json", folder / "calibration.json"
+    recipe_file, calibration_file = folder / RECIPE_FILE, folder / "calibration.json"
     try:
         table = measured_table(records, model.generation_config.to_dict())
     except (TypeError, KeyError, AttributeError) as error:  # the keys are there, their values are not bench's

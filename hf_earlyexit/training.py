@@ -22,7 +22,7 @@ from .loading import check_writable, json_object, load_model_and_processor
 from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from .modeling.modeling_ofa import in_exit_head
 from .modeling.processing_ofa import OFAImageProcessor, OFAProcessor
-from .trainers import EarlyExitTrainer, EarlyExitTrainingArguments
+from .trainers import RECIPE_FILE, EarlyExitTrainer, EarlyExitTrainingArguments
 
 # A small OFA for 64x64 images (4x4 patches from the light stem); positions and buckets sized for short texts.
 SMALL_OFA = dict(
@@ -155,11 +155,10 @@ def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **trai
     return trainer
 
 
-# The run's recipe, written when it starts: `--resume` continues that run only, and the model folder (and a card
-# `publish` writes) carries it.
-RECIPE_FILE = "training_recipe.json"
-RECIPE_OPTIONS = ("dataset", "split", "image_column", "text_column", "target_column", "prompt", "model_dir",
-                  "batch_size", "learning_rate")  # fmt: skip
+# A run's recipe is written when it starts: `--resume` continues that run only, and the model folder carries it.
+# Its "options" are how the model was trained (a card `publish` writes shows them); its "data" is what it read (the
+# data set and starting model as this machine's paths, which a card does not show).
+DATA_OPTIONS = ("dataset", "split", "image_column", "text_column", "target_column", "prompt", "model_dir")
 DEFAULT_MAX_STEPS = 1000
 
 
@@ -169,23 +168,51 @@ def run_recipe(
     training_arguments: dict[str, Any],
     started: Path | None = None,
 ) -> dict:
-    """What makes a `fine_tune` run what it is: its data, model, heads, loss and optimisation options, and its
-    `max_steps` in all (`options.max_steps`, else the `started` run's, else `DEFAULT_MAX_STEPS`). A run that resumes
-    the one whose recipe is at `started` must be that run: ValueError naming every option given otherwise (a run
-    from before recipes were written is not checked)."""
+    """What makes a `fine_tune` run what it is: its data and starting model; its heads, loss and optimisation,
+    with the processes that share a step (`WORLD_SIZE`) and its `max_steps` in all (`options.max_steps`, else the
+    `started` run's, else `DEFAULT_MAX_STEPS`). A run that resumes the one whose recipe is at `started` must be that
+    run: ValueError naming everything given otherwise (a run from before recipes were written is not checked)."""
     trained = {name: value for name, value in training_arguments.items() if name not in ("disable_tqdm", "use_cpu")}
-    chosen = {name: getattr(options, name, None) for name in RECIPE_OPTIONS} | config_fields | trained
-    given = json.loads(json.dumps(chosen, default=str))
-    before = json_object(started).get("options", {}) if started is not None and started.is_file() else {}
-    differ = sorted(name for name in {*before, *given} - {"max_steps"} if before.get(name) != given.get(name))
-    if before and differ:
+    chosen = {
+        "batch_size_per_process": options.batch_size,
+        "processes": int(os.environ.get("WORLD_SIZE", "1")),
+        "learning_rate": options.learning_rate,
+        **config_fields,
+        **trained,
+    }
+    data = {name: getattr(options, name, None) for name in DATA_OPTIONS}
+    data |= {"dataset": local_source(data["dataset"]), "model_dir": local_source(data["model_dir"])}
+    given = json.loads(json.dumps({"options": chosen, "data": data}, default=str))
+    given["options"] = {name: value for name, value in given["options"].items() if value is not None}
+    before = json_object(started) if started is not None and started.is_file() else {}
+    differ = [
+        (name, before[part].get(name), given[part].get(name))
+        for part in ("data", "options")
+        if part in before
+        for name in sorted({*before[part], *given[part]} - {"max_steps"})
+        if before[part].get(name) != given[part].get(name)
+    ]
+    if differ:
         raise ValueError(
             f"--resume continues the stopped run as it started ({started.name}): "
-            + "; ".join(f"{name}={before.get(name)!r} there, {given.get(name)!r} here" for name in differ)
+            + "; ".join(f"{name}={then!r} there, {now!r} here" for name, then, now in differ)
             + ". Give the same options, or train into a new --output-dir."
         )
-    max_steps = options.max_steps or before.get("max_steps") or DEFAULT_MAX_STEPS
-    return {"script": Path(sys.argv[0]).name, "options": {**given, "max_steps": max_steps}}
+    max_steps = options.max_steps or before.get("options", {}).get("max_steps") or DEFAULT_MAX_STEPS
+    return {"script": Path(sys.argv[0]).name, **given, "options": {**given["options"], "max_steps": max_steps}}
+
+
+def local_source(source: str | None) -> str | None:
+    """A data set or model given as a path, `loader:path` included, with the path made absolute (the same folder
+    written another way is the same); a name (`easy-vqa`, a Hub id) as it is."""
+    if source is None:
+        return None
+    loader, separator, path = source.partition(":")
+    if not (separator and Path(path).exists()):
+        loader, path = "", source
+    if not Path(path).exists():
+        return source
+    return f"{loader}:{Path(path).resolve()}" if loader else str(Path(path).resolve())
 
 
 def write_recipe(path: Path, recipe: dict) -> None:
@@ -208,8 +235,11 @@ def tokenizer_texts(dataset: Any, text_column: str | None, target_column: str, p
 
 def check_output_dir(output_dir: Path) -> None:
     """A run saves a whole model into its output folder: one that holds files already (a model, an earlier run's
-    output) would be overwritten in part, leaving its other files to describe weights that are gone."""
-    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+    output) would be overwritten in part, leaving its other files to describe weights that are gone. The recipe
+    alone is what a run that failed before its first checkpoint left: the new run replaces it."""
+    if output_dir.exists() and (
+        not output_dir.is_dir() or any(path.name != RECIPE_FILE for path in output_dir.iterdir())
+    ):
         raise ValueError(
             f"{output_dir} is not an empty folder: train into a new one, or --resume a stopped run's last checkpoint "
             "there (nothing was overwritten)."

@@ -64,6 +64,10 @@ DISCRIMINATORS_NAME = "discriminators.pt"
 HEAD_LOSSES = ("deep_supervision", "adversarial")  # the losses that train exit heads (DEED's adapters, BLIPEE's layers)
 
 
+# How a model was trained, beside its weights: the trainer's card cites it, `hf-earlyexit publish` carries it on.
+RECIPE_FILE = "training_recipe.json"
+
+
 class EarlyExitTrainer(Seq2SeqTrainer):
     """A `Seq2SeqTrainer` whose loss is `args.exit_loss` (see the module docstring for the math).
 
@@ -448,7 +452,7 @@ class EarlyExitTrainer(Seq2SeqTrainer):
         }
         model = self.accelerator.unwrap_model(self.model)
         # The card cites the recipe file, which `hf-earlyexit publish` carries on: a script's own is kept, and shown.
-        recipe_file = output / "training_recipe.json"
+        recipe_file = output / RECIPE_FILE
         if recipe_file.is_file():
             recipe = json.loads(recipe_file.read_text())
         else:
@@ -491,4 +495,4 @@ def decoder_targets(inputs: dict[str, Any]) -> torch.Tensor:
     return inputs.get("decoder_attention_mask", torch.ones_like(inputs["decoder_input_ids"])).bool()
 
 
-__all__ = ["EarlyExitTrainer"]
+__all__ = ["RECIPE_FILE", "EarlyExitTrainer"]

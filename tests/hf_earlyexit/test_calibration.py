@@ -260,6 +260,20 @@ def test_two_calibrations_writing_one_folder_take_turns(tmp_path):
     assert json.loads((tmp_path / "calibration.json").read_text())["chosen"] == report["chosen"]
 
 
+def test_a_file_system_without_locks_still_takes_the_calibration(tmp_path, monkeypatch):
+    """NFS without lockd, some FUSE file systems: `flock` fails, and the write failed after the whole sweep."""
+    import errno
+    import fcntl
+
+    def no_locks(descriptor, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    report = {"chosen": {"exit_policy": "confidence", "exit_threshold": 0.5}, "tolerance": 0.01}
+    save_calibration(tiny_model(), report, tmp_path)
+    assert json.loads((tmp_path / "calibration.json").read_text())["chosen"] == report["chosen"]
+
+
 def test_a_setting_slower_than_the_full_model_is_never_chosen():
     """A threshold no token reaches pays the tests and skips nothing: `calibrate --write` saved it over good ones."""
     slower = [OperatingPoint({"exit_threshold": 0.99999}, 1.0, -0.05)]

@@ -235,6 +235,24 @@ def test_a_stopped_train_run_resumes_from_its_last_checkpoint(tmp_path, capsys, 
     assert main([*argv, "--resume"]) == 2 and "no complete checkpoint" in capsys.readouterr().err
 
 
+def test_a_run_that_failed_before_its_first_checkpoint_can_be_run_again(tmp_path, capsys):
+    """It left its recipe alone in the output folder, which then refused a new run and had nothing to resume."""
+    from PIL import Image
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    Image.new("RGB", (32, 32), "red").save(folder / "red.png")
+    rows = [{"image": "red.png", "question": " what color?", "answer": "red"}] * 3
+    (folder / "train.jsonl").write_text(
+        "".join(json.dumps(row) + "\n" for row in [*rows, {**rows[0], "image": "no.png"}])
+    )
+    argv = [*TRAIN, f"json:{folder}", "--output-dir", str(tmp_path / "run"), "--batch-size", "4"]
+    assert main(argv) == 2 and "no.png" in capsys.readouterr().err  # in the first batch, after the run started
+    assert [path.name for path in (tmp_path / "run").iterdir()] == ["training_recipe.json"]
+    (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows * 2))
+    assert main(argv) == 0
+
+
 def test_train_refuses_what_it_would_overwrite_or_could_not_load_in_one_line(tmp_path, capsys):
     shapes_dataset().save_to_disk(tmp_path / "shapes")
     shapes, trained = str(tmp_path / "shapes"), tmp_path / "trained"

@@ -105,3 +105,24 @@ def test_check_writable_names_the_option_and_the_place_before_any_work(tmp_path,
     monkeypatch.setattr("os.access", lambda path, mode: False)  # a read-only folder (root can write anywhere)
     with pytest.raises(ValueError, match=f"--write into {tmp_path}: this process cannot write into {tmp_path}"):
         check_writable(tmp_path, "--write into")
+
+
+def test_weights_fingerprint_is_of_the_tensors_however_they_are_saved(tmp_path):
+    """A `train` folder's `training_args.bin`, and shards, made the same weights another fingerprint, so `publish`
+    refused a published folder's own records."""
+    import torch
+
+    from hf_earlyexit.loading import weights_fingerprint
+
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "shards", max_shard_size="20KB")
+    (tmp_path / "one" / "training_args.bin").write_bytes(b"not weights")
+    assert len(list((tmp_path / "shards").glob("model-*.safetensors"))) > 1
+    fingerprint = weights_fingerprint(tmp_path / "one")
+    assert fingerprint == weights_fingerprint(tmp_path / "shards") and len(fingerprint) == 16
+    with torch.no_grad():
+        model.get_decoder().layers[0].fc1.weight[0, 0] += 1e-3
+    model.save_pretrained(tmp_path / "changed")
+    assert weights_fingerprint(tmp_path / "changed") != fingerprint
+    assert weights_fingerprint(tmp_path) is None  # no weights here

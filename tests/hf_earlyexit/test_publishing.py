@@ -69,7 +69,8 @@ def model_dir(tmp_path_factory):
     processor.save_pretrained(folder)
     (folder / "benchmark.jsonl").write_text(json.dumps(RECORD) + "\n")
     (folder / "calibration.json").write_text(json.dumps(CALIBRATION))
-    (folder / "training_recipe.json").write_text(json.dumps({"script": "train.py", "options": {"max_steps": 7}}))
+    recipe = {"script": "train.py", "options": {"max_steps": 7}, "data": {"dataset": "json:/home/someone/data"}}
+    (folder / "training_recipe.json").write_text(json.dumps(recipe))
     return folder
 
 
@@ -102,6 +103,11 @@ def test_folder_has_weights_code_processor_and_auto_maps(assembled):
     processor_config = json.loads((assembled / "processor_config.json").read_text())
     assert processor_config["auto_map"]["AutoProcessor"] == "processing_ofa.OFAProcessor"
     assert processor_config["image_processor"]["auto_map"]["AutoImageProcessor"] == "processing_ofa.OFAImageProcessor"
+    # The recipe goes up without its data block, which names the training machine's folders.
+    assert json.loads((assembled / "training_recipe.json").read_text()) == {
+        "script": "train.py",
+        "options": {"max_steps": 7},
+    }
     generation = json.loads((assembled / "generation_config.json").read_text())
     assert {name: generation[name] for name in KNOBS} == KNOBS
     assert read_benchmark(assembled / "benchmark.jsonl") == [RECORD]
@@ -329,8 +335,8 @@ def test_a_model_folder_without_a_processor_fails_before_an_earlier_assembly_is_
          "A benchmark record is not what `hf-earlyexit bench --json` prints"),
         # Records measured on other weights: the card showed another model's numbers and guarantees.
         (lambda folder: (folder / "benchmark.jsonl").write_text(
-            "".join(json.dumps({**RECORD, "weights": w}) + "\n" for w in (weights_fingerprint(folder), "0" * 16))),
-         r"benchmark.jsonl, record 2: measured on other weights \(fingerprint 0000000000000000\)"),
+            "".join(json.dumps({**RECORD, "weights": w}) + "\n\n" for w in (weights_fingerprint(folder), "0" * 16))),
+         r"benchmark.jsonl, line 3: measured on other weights \(fingerprint 0000000000000000\)"),
         (lambda folder: patch_json(folder / "calibration.json", weights="0" * 16),
          "calibration.json was written for other weights .* calibrate this model again"),
     ],

@@ -24,3 +24,34 @@ def test_train_exits_leaves_the_callers_arguments_as_given(tmp_path):
     )
     trainer = train_exits(model, processor, dataset, args)
     assert args.remove_unused_columns and not trainer.args.remove_unused_columns  # the collator reads raw columns
+
+
+def test_a_runs_recipe_names_its_folders_where_they_are_and_its_processes(tmp_path, monkeypatch):
+    """`--resume` compared paths as written: the same folder given another way was refused, another folder given
+    the same relative way from elsewhere was taken. A run's processes make its batch; None options stay off a card."""
+    import argparse
+
+    import pytest
+
+    from hf_earlyexit.training import run_recipe, write_recipe
+
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    options = argparse.Namespace(
+        dataset="json:data", model_dir=None, split=None, image_column="image", text_column="question",
+        target_column="answer", prompt=None, batch_size=4, learning_rate=1e-4, max_steps=None,
+    )  # fmt: skip
+    trained = {"exit_loss": "layerwise", "disable_tqdm": False}
+    recipe = run_recipe(options, {}, trained)
+    assert recipe["data"]["dataset"] == f"json:{tmp_path / 'data'}"
+    assert recipe["options"] == {
+        "batch_size_per_process": 4, "processes": 1, "learning_rate": 1e-4, "exit_loss": "layerwise", "max_steps": 1000
+    }  # fmt: skip
+    write_recipe(tmp_path / "run" / "training_recipe.json", recipe)
+    started = tmp_path / "run" / "training_recipe.json"
+    same_folder = argparse.Namespace(**{**vars(options), "dataset": f"json:{tmp_path}/data/"})
+    assert run_recipe(same_folder, {}, trained, started)["data"] == recipe["data"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="processes=1 there, 2 here"):
+        run_recipe(options, {}, trained, started)
