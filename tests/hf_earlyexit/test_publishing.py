@@ -192,6 +192,18 @@ def test_a_card_says_when_the_defaults_are_not_certified():
     assert guarantee(None).startswith("Guarantee: none recorded")
 
 
+def test_the_shipped_models_records_are_refused_for_other_weights(model_dir, tmp_path):
+    """They carried no fingerprint, so a fine-tuned model was published with the embedded model's numbers."""
+    from hf_earlyexit.loading import EMBEDDED_MODEL_DIR
+
+    shipped = weights_fingerprint(EMBEDDED_MODEL_DIR)
+    for name in ("calibration.json", "calibration_speculative.json"):
+        assert json.loads((EMBEDDED_MODEL_DIR / name).read_text())["weights"] == shipped
+    assert {record["weights"] for record in read_benchmark(EMBEDDED_MODEL_DIR / "benchmark.jsonl")} == {shipped}
+    with pytest.raises(ValueError, match=r"benchmark.jsonl, line 1: measured on other weights"):
+        assemble(model_dir, tmp_path / "out", REPO_ID, benchmark=[EMBEDDED_MODEL_DIR / "benchmark.jsonl"])
+
+
 def test_a_card_speaks_of_streams_only_for_a_decomposed_encoder():
     """Every card spoke of image and text streams, which a joint encoder does not have."""
     joint = render_model_card(REPO_ID, {"decompose_encoder_modalities": False}, {}, "")
