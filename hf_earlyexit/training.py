@@ -78,6 +78,7 @@ def train_exits(
     for column in (text_column, target_column):
         if column:
             check_texts(train_dataset[column], column, lists=column == target_column)
+    check_image_paths(train_dataset, image_column)
     args = copy.copy(args)  # the caller's arguments stay as given
     args.remove_unused_columns = False  # the collator reads the raw image and text columns
     collator = ImageTextCollator(processor, image_column, text_column, target_column, prompt, labels=labels)
@@ -98,6 +99,16 @@ def check_texts(values: Iterable[Any], column: str, lists: bool) -> None:
     checked before training, since the collator meets a bad row only at its batch, after the earlier steps."""
     for row, value in enumerate(values):
         row_text(value, column, row, lists)
+
+
+def check_image_paths(dataset: datasets.Dataset, column: str) -> None:
+    """Every path in an image column of paths names a file: checked before training, since the collator meets a
+    missing one only at its batch, after the earlier steps. ValueError naming the first missing path and its row."""
+    if dataset.features[column] != datasets.Value("string"):
+        return
+    for row, path in enumerate(dataset[column]):
+        if not os.path.isfile(path):
+            raise ValueError(f"Column {column!r}, row {row}: no image at {path}.")
 
 
 def fine_tune(options: argparse.Namespace, config_fields: dict[str, Any], **training_arguments) -> EarlyExitTrainer:

@@ -247,7 +247,14 @@ def test_a_run_that_failed_before_its_first_checkpoint_can_be_run_again(tmp_path
         "".join(json.dumps(row) + "\n" for row in [*rows, {**rows[0], "image": "no.png"}])
     )
     argv = [*TRAIN, f"json:{folder}", "--output-dir", str(tmp_path / "run"), "--batch-size", "4"]
-    assert main(argv) == 2 and "no.png" in capsys.readouterr().err  # in the first batch, after the run started
+    # A missing image is named with its row before the run starts (the collator met it at its batch, as "row 1").
+    assert main(argv) == 2 and "Column 'image', row 3: no image at" in capsys.readouterr().err
+    assert [path.name for path in (tmp_path / "run").iterdir()] == ["training_recipe.json"]  # replaced next time
+    (folder / "bad.png").write_bytes(b"not an image")  # found only where the collator opens it, in the first step
+    (folder / "train.jsonl").write_text(
+        "".join(json.dumps(row) + "\n" for row in [*rows, {**rows[0], "image": "bad.png"}])
+    )
+    assert main(argv) == 2 and "bad.png" in capsys.readouterr().err
     assert [path.name for path in (tmp_path / "run").iterdir()] == ["training_recipe.json"]
     (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows * 2))
     assert main(argv) == 0
