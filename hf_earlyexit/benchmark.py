@@ -96,8 +96,8 @@ def checked_device(name: str) -> torch.device:
         return device
     available = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if available is None or device.type != available.type:
-        have = f"a {available.type} device" if available is not None else "no accelerator"
-        raise ValueError(f"Device {name}: this machine has {have} (and the CPU).")
+        have = f"the CPU and a {available.type} device" if available is not None else "the CPU alone (no accelerator)"
+        raise ValueError(f"Device {name}: this machine has {have}.")
     if device.index is not None and device.index >= torch.accelerator.device_count():
         raise ValueError(f"Device {name}: this machine has {torch.accelerator.device_count()} {device.type} devices.")
     return device

@@ -124,6 +124,11 @@ def cmd_convert(args: argparse.Namespace) -> None:
     print(f"converted {args.source} -> {args.target} ({model.num_parameters() / 1e6:.1f}M parameters)")
     if args.tokenizer:
         print(f"saved the processor ({model.config.vocab_size} tokens, {args.image_size}px images)")
+    else:  # `caption`, `eval`, `bench` and `publish` load one beside the weights
+        print(
+            "saved no processor: the other commands need one; convert again with --tokenizer DIR (OFA's BART "
+            "vocab.json and merges.txt), or save one beside the weights (processor.save_pretrained)"
+        )
 
 
 def cmd_caption(args: argparse.Namespace) -> None:

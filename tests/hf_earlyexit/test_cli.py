@@ -69,6 +69,8 @@ def test_convert_with_tokenizer_checks_the_vocabulary(reference_fixture, bart_to
     assert not (tmp_path / "out").exists()  # checked before anything is written: no model without its processor
     argv = ["convert", "--from", str(reference_fixture), "--to", str(tmp_path / "out"), "--tokenizer", "/nowhere"]
     assert main(argv) == 2 and "No tokenizer folder at /nowhere" in capsys.readouterr().err
+    assert main(argv[:-2]) == 0  # without a tokenizer it says what the folder lacks (every later command failed)
+    assert "saved no processor: the other commands need one; convert again with --tokenizer" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -552,7 +554,12 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
         ([*NO_THRESHOLDS, "--risk", "0.1"], "Nothing to sweep"),
         (["bench", "{m}", "--forced-exit", "1"], "not both"),
         *(
-            [(["bench", "{m}", "--task", "vqa", "--exit-threshold", "0.5", "--device", "cuda"], "has no accelerator")]
+            [
+                (
+                    ["bench", "{m}", "--task", "vqa", "--exit-threshold", "0.5", "--device", "cuda"],
+                    "the CPU alone (no accelerator)",
+                )
+            ]
             if not torch.cuda.is_available()
             else []
         ),
