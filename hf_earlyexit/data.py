@@ -13,6 +13,7 @@ from typing import Any
 import datasets
 import numpy as np
 import torch
+from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 from PIL import Image
 from transformers import BartTokenizer, PreTrainedTokenizerBase
 from transformers.tokenization_utils_base import VERY_LARGE_INTEGER
@@ -105,6 +106,10 @@ def easy_vqa_entailment(split: str = "train", seed: int = 0) -> datasets.Dataset
     return datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image())
 
 
+# The loaders `datasets` ships, which `loader:folder` names.
+LOADERS = frozenset(_PACKAGED_DATASETS_MODULES)
+
+
 def load_image_text_dataset(
     source: str, split: str | None = None, columns: Iterable[str] = (), image_column: str | None = None
 ) -> datasets.Dataset:
@@ -123,8 +128,10 @@ def load_image_text_dataset(
             loaded = loaded[split or "train"]
         elif split is not None and split != loaded.split:
             raise ValueError(f"{source} holds one data set, not a split {split!r} of one: drop the split.")
-    elif ":" in source and Path(source.split(":", 1)[1]).exists():
+    elif ":" in source and (Path(source.split(":", 1)[1]).exists() or source.split(":", 1)[0] in LOADERS):
         loader, data_dir = source.split(":", 1)
+        if not Path(data_dir).is_dir():  # `datasets` said "Couldn't find any data file at <cwd>/json:<path>"
+            raise ValueError(f"{source}: no folder {data_dir} for the {loader!r} loader to read.")
         loaded = datasets.load_dataset(loader, data_dir=data_dir, split=split or "train")
     else:
         loaded = datasets.load_dataset(source, split=split or "train")

@@ -212,6 +212,11 @@ def test_load_image_text_dataset_names_missing_columns_and_splits(tmp_path):
         load_image_text_dataset(str(tmp_path / "dict"), "test")
     with pytest.raises(ValueError, match="holds one data set, not a split 'test'"):  # never silently the whole folder
         load_image_text_dataset(str(tmp_path / "saved"), "test")
+    with pytest.raises(ValueError, match="json:nope: no folder nope for the 'json' loader"):  # was `datasets`' own
+        load_image_text_dataset("json:nope")
+    (tmp_path / "file.jsonl").write_text("{}")
+    with pytest.raises(ValueError, match="no folder .*file.jsonl for the 'json' loader"):  # a file, not a folder
+        load_image_text_dataset(f"json:{tmp_path / 'file.jsonl'}")
     datasets.Dataset.from_dict({"image": [], "answer": []}).save_to_disk(tmp_path / "empty")
     with pytest.raises(ValueError, match="has no rows"):
         load_image_text_dataset(str(tmp_path / "empty"))
