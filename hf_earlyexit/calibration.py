@@ -511,15 +511,20 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
-def save_calibration(model, report: dict[str, Any], model_dir: str | Path) -> Path:
+def save_calibration(model, report: dict[str, Any], model_dir: str | Path, plot: str | Path | None = None) -> Path:
     """Save `report["chosen"]` as the generation defaults of `model` in `model_dir` and the report beside it as
-    calibration.json; returns the generation config's path. ValueError, nothing written, when nothing was chosen."""
+    calibration.json; returns the generation config's path. ValueError, nothing written, when nothing was chosen.
+    The folder's tradeoff.png, unless it is this calibration's `plot`, pictured the calibration replaced: removed,
+    since `publish` puts it on the card."""
     if report["chosen"] is None:
         raise ValueError(f"{not_chosen(report)}: nothing written.")
     # The grid ran each setting on top of no exit: the lossy knobs it did not set are saved at their defaults, or
     # an earlier calibration's (an encoder threshold, a `max_exit_layer`) would stay and change what it measured.
     write_generation_defaults(model, {**LOSSY_DEFAULTS, **report["chosen"]})
     write_together(model_dir, {"calibration.json": report}, model.generation_config)
+    earlier_plot = Path(model_dir, "tradeoff.png")
+    if earlier_plot.is_file() and (plot is None or Path(plot).resolve() != earlier_plot.resolve()):
+        earlier_plot.unlink()
     return Path(model_dir, "generation_config.json")
 
 

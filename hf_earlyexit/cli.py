@@ -245,7 +245,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         return
     try:
         if args.write and report["chosen"] is not None:
-            report["written_to"] = str(save_calibration(model, report, args.model_dir))
+            report["written_to"] = str(save_calibration(model, report, args.model_dir, args.plot))
     finally:  # also when nothing was chosen or writing failed: the sweep's frontiers stay the user's
         print_report(report, args.json)
     if report["chosen"] is None:

@@ -243,6 +243,17 @@ def test_a_file_that_cannot_be_replaced_after_another_was_puts_the_other_back(tm
     assert {path.name: path.read_text() for path in tmp_path.iterdir()} == before
 
 
+def test_a_new_calibration_takes_the_earlier_ones_picture_away_unless_it_drew_its_own_there(tmp_path):
+    """`publish` put the replaced calibration's tradeoff.png on the card of the new one."""
+    report = {"chosen": {"exit_policy": "confidence", "exit_threshold": 0.5}, "tolerance": 0.01}
+    (tmp_path / "tradeoff.png").write_bytes(b"the earlier sweep")
+    save_calibration(tiny_model(), report, tmp_path, plot=tmp_path / "elsewhere.png")
+    assert not (tmp_path / "tradeoff.png").exists()
+    (tmp_path / "tradeoff.png").write_bytes(b"this sweep")
+    save_calibration(tiny_model(), report, tmp_path, plot=tmp_path / "tradeoff.png")
+    assert (tmp_path / "tradeoff.png").read_bytes() == b"this sweep"
+
+
 def test_two_calibrations_writing_one_folder_take_turns(tmp_path):
     """Two `calibrate --write` into one folder at once could leave one's defaults beside the other's record."""
     import threading
