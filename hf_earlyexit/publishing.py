@@ -8,6 +8,7 @@ the repository and uploads the folder. The card comes from `hf_earlyexit.model_c
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -132,7 +133,8 @@ def staged_assembly(
         if plot is not None:
             shutil.copy(plot, staging / "tradeoff.png")
         write_card(staging, model, config, records, repo_id, plot is not None, card_fields)
-        (staging / ASSEMBLY_MANIFEST).write_text("".join(f"{path.name}\n" for path in sorted(staging.iterdir())))
+        written = sorted(staging.iterdir())
+        (staging / ASSEMBLY_MANIFEST).write_text("".join(f"{path.name}\t{digest(path)}\n" for path in written))
         # Transformers writes the weights readable by their owner alone (0600): every file as readable as the
         # manifest, which this process wrote under the user's umask.
         mode = (staging / ASSEMBLY_MANIFEST).stat().st_mode & 0o777
@@ -238,15 +240,30 @@ def check_replaceable(output_dir: Path, model_dir: Path) -> bool:
     if not output_dir.exists() or not any(output_dir.iterdir()):
         return False
     manifest = output_dir / ASSEMBLY_MANIFEST
-    written = set(manifest.read_text().split()) if manifest.is_file() else set()
-    others = sorted(path.name for path in output_dir.iterdir() if path.name not in written | {ASSEMBLY_MANIFEST})
+    lines = manifest.read_text().splitlines() if manifest.is_file() else []
+    written = dict(f"{line}\t".split("\t")[:2] for line in lines)  # name, tab, SHA-256 (a name alone: older manifests)
+    others = sorted(path.name for path in output_dir.iterdir() if path.name not in {*written, ASSEMBLY_MANIFEST})
     if not written or others:
         holds = f"it also holds {others[:3]}" if written else "no record of an assembly"
         raise ValueError(
             f"{output_dir} exists and is not a model folder that `publish` assembled alone ({holds}): give another "
             "--output-dir."
         )
+    changed = [name for name, recorded in written.items() if recorded and digest(output_dir / name) != recorded]
+    if changed:  # an edited card, say: replacing it would lose the edit
+        raise ValueError(
+            f"{output_dir / changed[0]} changed since `publish` assembled it: move it away (or the whole folder), "
+            "or give another --output-dir."
+        )
     return True
+
+
+def digest(path: Path) -> str:
+    """A file's SHA-256 (hex), or "" for a folder."""
+    if not path.is_file():
+        return ""
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 # Runs in a fresh interpreter: `hf_earlyexit` cannot be imported, the Hub is offline, the modules cache is new.

@@ -322,6 +322,12 @@ def test_a_previous_assembly_is_replaced_but_nothing_a_user_put_beside_it(model_
     with pytest.raises(ValueError, match="not a model folder that `publish` assembled alone.*notes.txt"):
         publish(model_dir, REPO_ID, output_dir=out, dry_run=True)
     assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
+    (out / "notes.txt").unlink()
+    with (out / "README.md").open("a") as card:  # an edited card was replaced, the edit lost
+        card.write("My own words.\n")
+    with pytest.raises(ValueError, match="README.md changed since `publish` assembled it"):
+        publish(model_dir, REPO_ID, output_dir=out, dry_run=True)
+    assert (out / "README.md").read_text().endswith("My own words.\n")
 
 
 def test_a_model_folder_without_a_processor_fails_before_an_earlier_assembly_is_removed(
