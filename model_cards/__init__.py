@@ -78,12 +78,13 @@ def measured_table(records: list[dict[str, Any]], defaults: dict[str, Any] | Non
     for record, setting in zip(records, record_settings(records, defaults), strict=True):
         full, early = record["full"], record["early_exit"]
         measured = full["quality"] is not None and early["quality"] is not None  # None: the metric had too few samples
-        ratio = early["quality"] / full["quality"] if measured and full["quality"] else float("nan")
+        # No ratio to a full model that scored 0 (a model that cannot do the task yet): "—", not "nan%".
+        ratio = f"{early['quality'] / full['quality']:.1%}" if measured and full["quality"] else "—"
         qualities = [f"{quality:.3f}" if measured else "—" for quality in (full["quality"], early["quality"])]
+        flops = early.get("expected_time_reduction_flops")
         rows.append(
             f"| {record['task']} | {record['metric']} | {qualities[0]} | {qualities[1]} "
-            f"| {ratio:.1%} | {early['expected_time_reduction']:.1%} / "
-            f"{early.get('expected_time_reduction_flops', float('nan')):.1%} "
+            f"| {ratio} | {early['expected_time_reduction']:.1%} / {'—' if flops is None else f'{flops:.1%}'} "
             f"| {record['wall_clock_time_reduction']:.1%} | {record.get('samples', '?')} x "
             f"{record.get('batch_size', '?')} | {record.get('device', '?')} "
             f"| {setting} |"

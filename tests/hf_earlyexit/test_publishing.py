@@ -156,7 +156,14 @@ def test_a_record_without_a_quality_shows_a_dash_not_a_crash():
         "early_exit": {**RECORD["early_exit"], "quality": None},
     }
     row = measured_table([unscored]).splitlines()[2]
-    assert row.startswith("| vqa | accuracy | — | — | nan% |")
+    assert row.startswith("| vqa | accuracy | — | — | — |")
+    # A full model that scored 0 (a model that cannot do the task yet) has no ratio: it showed "nan%".
+    zero = {
+        **RECORD,
+        "full": {**RECORD["full"], "quality": 0.0},
+        "early_exit": {**RECORD["early_exit"], "quality": 0.0},
+    }
+    assert measured_table([zero]).splitlines()[2].startswith("| vqa | accuracy | 0.000 | 0.000 | — |")
 
 
 def test_a_plot_that_is_not_a_png_is_refused_before_anything_is_written(model_dir, tmp_path):
