@@ -511,6 +511,10 @@ def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
+# The picture of a calibration in its model folder, which `publish` puts on the card.
+PLOT_FILE = "tradeoff.png"
+
+
 def save_calibration(model, report: dict[str, Any], model_dir: str | Path, plot: str | Path | None = None) -> Path:
     """Save `report["chosen"]` as the generation defaults of `model` in `model_dir` and the report beside it as
     calibration.json; returns the generation config's path. ValueError, nothing written, when nothing was chosen.
@@ -522,7 +526,7 @@ def save_calibration(model, report: dict[str, Any], model_dir: str | Path, plot:
     # an earlier calibration's (an encoder threshold, a `max_exit_layer`) would stay and change what it measured.
     write_generation_defaults(model, {**LOSSY_DEFAULTS, **report["chosen"]})
     write_together(model_dir, {"calibration.json": report}, model.generation_config)
-    earlier_plot = Path(model_dir, "tradeoff.png")
+    earlier_plot = Path(model_dir, PLOT_FILE)
     if earlier_plot.is_file() and (plot is None or Path(plot).resolve() != earlier_plot.resolve()):
         earlier_plot.unlink()
     return Path(model_dir, "generation_config.json")

@@ -110,6 +110,13 @@ def easy_vqa_entailment(split: str = "train", seed: int = 0) -> datasets.Dataset
 LOADERS = frozenset(_PACKAGED_DATASETS_MODULES)
 
 
+def loader_and_folder(source: str) -> tuple[str, str] | None:
+    """A `loader:folder` source as (loader, folder): a `datasets` loader's name, or any name before a path that
+    exists; None for a source of another form."""
+    loader, separator, folder = source.partition(":")
+    return (loader, folder) if separator and (loader in LOADERS or Path(folder).exists()) else None
+
+
 def load_image_text_dataset(
     source: str, split: str | None = None, columns: Iterable[str] = (), image_column: str | None = None
 ) -> datasets.Dataset:
@@ -128,8 +135,8 @@ def load_image_text_dataset(
             loaded = loaded[split or "train"]
         elif split is not None and split != loaded.split:
             raise ValueError(f"{source} holds one data set, not a split {split!r} of one: drop the split.")
-    elif ":" in source and (Path(source.split(":", 1)[1]).exists() or source.split(":", 1)[0] in LOADERS):
-        loader, data_dir = source.split(":", 1)
+    elif (named := loader_and_folder(source)) is not None:
+        loader, data_dir = named
         if not Path(data_dir).is_dir():  # `datasets` said "Couldn't find any data file at <cwd>/json:<path>"
             raise ValueError(f"{source}: no folder {data_dir} for the {loader!r} loader to read.")
         loaded = datasets.load_dataset(loader, data_dir=data_dir, split=split or "train")

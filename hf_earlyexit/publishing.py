@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .calibration import PLOT_FILE
 from .loading import check_model_dir, json_object, load_model_and_processor, weights_fingerprint
 from .model_cards import measured_table, read_benchmark, render_model_card
 from .modeling import EarlyExitOFAForConditionalGeneration
@@ -131,7 +132,7 @@ def staged_assembly(
             (staging / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
         (staging / "benchmark.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
         if plot is not None:
-            shutil.copy(plot, staging / "tradeoff.png")
+            shutil.copy(plot, staging / PLOT_FILE)
         write_card(staging, model, config, records, repo_id, plot is not None, card_fields)
         written = sorted(staging.iterdir())
         (staging / ASSEMBLY_MANIFEST).write_text("".join(f"{path.name}\t{digest(path)}\n" for path in written))
@@ -181,7 +182,7 @@ def removed_on_failure(staging: Path):
 def checked_plot(model_dir: Path, plot: str | Path | None) -> Path | None:
     """The card's plot: `plot`, which must be a PNG, else the model folder's tradeoff.png if it has one."""
     if plot is None:
-        return model_dir / "tradeoff.png" if (model_dir / "tradeoff.png").is_file() else None
+        return model_dir / PLOT_FILE if (model_dir / PLOT_FILE).is_file() else None
     if not Path(plot).is_file():
         raise ValueError(f"No plot at {plot}.")
     if not Path(plot).read_bytes().startswith(PNG_SIGNATURE):
@@ -218,7 +219,7 @@ def write_card(
         model.generation_config.to_dict(),
         table,
         recipe=json_object(recipe_file) if recipe_file.is_file() else None,
-        plot="tradeoff.png" if plot else None,
+        plot=PLOT_FILE if plot else None,
         calibration=json_object(calibration_file) if calibration_file.is_file() else None,
         **card_fields,
     )

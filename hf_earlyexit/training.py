@@ -17,7 +17,15 @@ import torch
 from safetensors import safe_open
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .data import CAPTION_PROMPT, ImageTextCollator, easy_vqa, load_image_text_dataset, row_text, train_tokenizer
+from .data import (
+    CAPTION_PROMPT,
+    ImageTextCollator,
+    easy_vqa,
+    load_image_text_dataset,
+    loader_and_folder,
+    row_text,
+    train_tokenizer,
+)
 from .loading import check_writable, json_object, load_model_and_processor
 from .modeling import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from .modeling.modeling_ofa import in_exit_head
@@ -218,9 +226,7 @@ def local_source(source: str | None) -> str | None:
     written another way is the same); a name (`easy-vqa`, a Hub id) as it is."""
     if source is None:
         return None
-    loader, separator, path = source.partition(":")
-    if not (separator and Path(path).exists()):
-        loader, path = "", source
+    loader, path = loader_and_folder(source) or ("", source)
     if not Path(path).exists():
         return source
     return f"{loader}:{Path(path).resolve()}" if loader else str(Path(path).resolve())
