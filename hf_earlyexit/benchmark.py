@@ -118,6 +118,11 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
 
 
+def timed_on(model) -> dict[str, str]:
+    """Where a loaded model's timings run: its device's name and its dtype, as the reports record them."""
+    return {"device": device_name(model.device), "dtype": str(model.dtype).removeprefix("torch.")}
+
+
 def median_seconds(
     functions: dict[str, Callable[[], object]], repeats: int, device: torch.device, progress: str | None = None
 ) -> dict[str, float]:
@@ -603,8 +608,7 @@ def task_benchmark(
         "metric": inputs.task.quality_key,
         "samples": inputs.samples,
         "batch_size": batch_size,
-        "device": device_name(model.device),
-        "dtype": str(model.dtype).removeprefix("torch."),
+        **timed_on(model),
         "repeats": repeats,
         "full": full,
         "early_exit": early,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .benchmark import measure_part_costs
+from .benchmark import measure_part_costs, timed_on
 from .evaluation import Asks, TaskInputs, risk_losses, run_task, score, split_task_inputs, task_inputs
 from .loading import weights_fingerprint
 from .measures import PartCosts, expected_time_reduction
@@ -337,9 +337,16 @@ def calibrate(
     askers = {policy: make_controller(policy, values[0]) for policy, values in decoder_thresholds.items() if values}
     streams = encoder_exit_parts(model.config)
     encoder_askers = {part: SimilarityExit(encoder_thresholds[0]) for part in streams} if encoder_thresholds else {}
-    # The time reductions are batch-aware, so the choice is for this batch size.
+    # The time reductions are batch-aware and priced on this device, so the choice is for this batch size and device.
     rule = {"tolerance": tolerance} if levels is None else {"risk_level": levels, "delta": delta}
-    report: dict[str, Any] = {"split": split, "batch_size": batch_size, **rule, "points": len(grid), "tasks": {}}
+    report: dict[str, Any] = {
+        "split": split,
+        "batch_size": batch_size,
+        **timed_on(model),
+        **rule,
+        "points": len(grid),
+        "tasks": {},
+    }
     sweeps: Sweeps = {}
     orderings: dict[str, tuple[list[OperatingPoint], int]] = {}  # with a risk: per task, its ordering and samples
     progress = progress and is_main_process()

@@ -283,7 +283,7 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
         else []
     )
     check_batch_sizes(args.batch_size, batch_sizes)
-    model, processor = load_model_and_processor(args.model_dir)
+    model, processor = load_for_this_process(args.model_dir)  # timed where generate will run: the GPU if any
     report = calibrate_drafts(
         model, processor, task_list(args.tasks), args.split, args.samples, args.batch_size, thresholds, draft_tokens,
         args.repeats, progress=not args.quiet, batch_sizes=batch_sizes, vocabulary_size=args.draft_vocabulary_size,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .benchmark import paired_seconds
+from .benchmark import paired_seconds, timed_on
 from .calibration import settings_key, write_generation_defaults, write_together
 from .evaluation import TaskInputs, TaskRun, run_batch, task_inputs
 from .modeling.processing_ofa import prompt_text
@@ -341,6 +341,7 @@ def calibrate_drafts(
         "exit_mode": "speculative",
         "split": split,
         "batch_size": batch_size,
+        **timed_on(model),  # drafts pay by the clock of this device: another machine calibrates its own
         "repeats": repeats,
         "points": len(grid),
         "tasks": {},

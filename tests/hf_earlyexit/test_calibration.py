@@ -147,6 +147,7 @@ def test_calibrate_returns_the_report_and_writes_the_choice(tmp_path):
         encoder_thresholds=(-1.0,), plot=plot, write_to=tmp_path, progress=False,
     )  # fmt: skip
     assert report["split"] == "validation" and report["points"] == 2 * 2 * 2 - 1 and list(report["tasks"]) == ["vqa"]
+    assert report["device"].startswith("cpu (") and report["dtype"] == "float32"  # the clock the choice was priced by
     task = report["tasks"]["vqa"]
     # The part costs are timed, so which setting is fastest depends on the machine: only its shape is checked.
     assert task["pareto_frontier"] and 0 <= task["chosen"]["expected_time_reduction"] < 1

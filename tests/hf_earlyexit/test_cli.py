@@ -7,6 +7,7 @@ import torch
 from PIL import Image
 from transformers import GenerationConfig
 
+from hf_earlyexit.benchmark import device_name
 from hf_earlyexit.cli import main
 from hf_earlyexit.modeling.processing_ofa import OFAImageProcessor, OFAProcessor
 from tests.helpers import tiny_model
@@ -464,12 +465,18 @@ def test_calibrate_with_a_risk_says_when_nothing_is_certified_and_what_would_be(
     assert json.loads(capsys.readouterr().out)["tasks"]["vqa"]["certificate"]["risk_level"] == 0.5
 
 
-def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys):
+def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys, monkeypatch):
+    """On the device generate would run on (Accelerate's: the GPU when there is one), which the report names."""
+    from hf_earlyexit import sharding
+
+    devices = []
+    monkeypatch.setattr(sharding, "process_device", lambda: devices.append("asked") or torch.device("cpu"))
     argv = ["calibrate", str(task_model_dir), "--tasks", "caption", "--samples", "2", "--exit-mode", "speculative"]
     thresholds = ["--confidence-thresholds", "0.0", "--similarity-thresholds", "", "--draft-tokens", "2,3"]
     assert main([*argv, *thresholds, "--repeats", "1", "--quiet", "--json", "--draft-batch-sizes", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["exit_mode"] == "speculative" and report["batch_size"] == 1 and report["points"] == 2
+    assert devices and report["device"] == device_name(torch.device("cpu")) and report["dtype"] == "float32"
     points = report["tasks"]["caption"]["points"]
     assert {point["settings"]["num_assistant_tokens"] for point in points} == {2, 3}
     assert all(point["same_outputs_as_full"] for point in points)

@@ -127,6 +127,7 @@ def test_calibrate_drafts_times_every_setting_beside_the_full_model(tmp_path):
     )  # fmt: skip
     task = report["tasks"]["caption"]
     assert report["points"] == 2 and report["batch_size"] == 2 and len(task["points"]) == 2
+    assert report["device"].startswith("cpu (") and report["dtype"] == "float32"  # drafts pay by this device's clock
     assert all(p["same_outputs_as_full"] for p in task["points"])  # lossless whatever drafts
     speedups = [p["speedup_over_full"] for p in task["points"]]
     assert speedups == sorted(speedups, reverse=True) and task["full_tokens_per_second"] > 0
