@@ -114,8 +114,10 @@ def checked_dtype(name: str) -> torch.dtype:
 
 
 def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU with its thread count (what a timing ran on)."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    """The GPU's name, the CPU with its thread count, or another device as torch names it (what a timing ran on)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
 
 
 def timed_on(model) -> dict[str, str]:

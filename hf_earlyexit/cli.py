@@ -178,7 +178,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def load_for_this_process(model_dir: str) -> tuple[Any, Any]:
-    """`eval` and `calibrate` under `accelerate launch`: one model per process, on the device Accelerate gives it."""
+    """`eval` and `calibrate` under `accelerate launch`: one model per process, on the device Accelerate gives it
+    (in one process: the GPU if there is one, where speculative calibration times its drafts)."""
     from .sharding import process_device
 
     model, processor = load_model_and_processor(model_dir)
@@ -642,7 +643,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--exit-mode",
         choices=EXIT_MODES,
         default="exit",
-        help="exit: lossy thresholds by quality and time; speculative: the drafts with the most tokens/s",
+        help="exit: lossy thresholds by quality and time; speculative: the drafts with the most tokens/s (both timed "
+        "on the GPU if there is one)",
     )
     calibrate.add_argument("--draft-tokens", default="4,8", help="speculative: draft lengths to time (default 4,8)")
     calibrate.add_argument("--repeats", type=int, default=2, help="speculative: timed rounds per batch (default 2)")

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from hf_earlyexit import ConfidenceExit, EarlyExitSettings, FixedLayerExit, benchmark
-from hf_earlyexit.benchmark import checked_device, model_benchmark, paired_seconds, truncated_model
+from hf_earlyexit.benchmark import (
+    checked_device,
+    device_name,
+    model_benchmark,
+    paired_seconds,
+    timed_on,
+    truncated_model,
+)
 from hf_earlyexit.modeling import row_exits
 from tests.helpers import tiny_inputs, tiny_model
 
@@ -85,6 +92,13 @@ def test_checked_device_refuses_a_malformed_or_absent_device():
     for name in ("meta", "mps" if torch.cuda.is_available() else "xpu"):  # were a RuntimeError deep in the model
         with pytest.raises(ValueError, match=f"Device {name}: this machine has"):
             checked_device(name)
+
+
+def test_a_timing_names_its_device_as_a_record_shows_it():
+    assert device_name(torch.device("cpu")) == f"cpu ({torch.get_num_threads()} threads)"
+    assert device_name(torch.device("mps")) == "mps" and device_name(torch.device("xpu", 1)) == "xpu:1"  # not "cpu"
+    cpu = device_name(torch.device("cpu"))
+    assert timed_on(tiny_model().to(torch.bfloat16)) == {"device": cpu, "dtype": "bfloat16"}
 
 
 def test_a_bad_dtype_device_or_count_is_named_before_any_work():

@@ -158,7 +158,8 @@ def test_calibrate_returns_the_report_and_writes_the_choice(tmp_path):
     assert report["written_to"] == str(tmp_path / "generation_config.json")
     saved = json.loads((tmp_path / "generation_config.json").read_text())
     assert all(saved[name] == value for name, value in report["chosen"].items())
-    assert json.loads((tmp_path / "calibration.json").read_text())["chosen"] == report["chosen"]
+    record = json.loads((tmp_path / "calibration.json").read_text())
+    assert record["chosen"] == report["chosen"] and record["device"] == report["device"]
 
 
 def test_calibrate_with_a_risk_orders_on_a_tenth_and_certifies_on_the_rest(tmp_path):
@@ -269,7 +270,8 @@ def test_two_calibrations_writing_one_folder_take_turns(tmp_path):
         writer.join(timeout=1.0)
         assert writer.is_alive() and not (tmp_path / "calibration.json").exists()  # it waits its turn
     writer.join()
-    assert json.loads((tmp_path / "calibration.json").read_text())["chosen"] == report["chosen"]
+    record = json.loads((tmp_path / "calibration.json").read_text())
+    assert record["chosen"] == report["chosen"] and record["device"] == report["device"]
 
 
 def test_a_file_system_without_locks_still_takes_the_calibration(tmp_path, monkeypatch):
@@ -283,7 +285,8 @@ def test_a_file_system_without_locks_still_takes_the_calibration(tmp_path, monke
     monkeypatch.setattr(fcntl, "flock", no_locks)
     report = {"chosen": {"exit_policy": "confidence", "exit_threshold": 0.5}, "tolerance": 0.01}
     save_calibration(tiny_model(), report, tmp_path)
-    assert json.loads((tmp_path / "calibration.json").read_text())["chosen"] == report["chosen"]
+    record = json.loads((tmp_path / "calibration.json").read_text())
+    assert record["chosen"] == report["chosen"] and record["device"] == report["device"]
 
 
 def test_a_setting_slower_than_the_full_model_is_never_chosen():

@@ -519,6 +519,7 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
         assert len(written["draft_vocabulary"]) == 5
         saved = json.loads((task_model_dir / "calibration_speculative.json").read_text())
         assert saved["draft_vocabulary"]["token_ids"] == written["draft_vocabulary"]
+        assert saved["device"] == report["device"] and saved["dtype"] == "float32"  # the clock that chose them
     else:
         assert status == 2 and report["chosen"] is None and written["draft_max_batch_size"] == 8
         assert "draft_vocabulary" not in written
