@@ -8,7 +8,8 @@ machinery delivers (1.0 = all of it). The layer-count speedup L / K is reported 
 because the embeddings, the final LayerNorm and the output projection (59k words) run whatever the depth.
 At batch > 1 it also times scattered exits (`exit_patterns`) under each `row_exit` plan, each beside the full model
 and its floor (every row stopping at the step's deepest exit: what no plan can beat when a layer costs the same for
-any number of rows), and reports the decoder's measured layer costs with the plan `auto` picks from them.
+any number of rows; asked through the same per-row controller, so that only the plan differs), and reports the
+decoder's measured layer costs with the plan `auto` picks from them.
 
 `task_benchmark` is the proof on a trained model: the full model and the early-exit model side by side on the same
 test inputs, in one process, paired batch by batch and repeated (`paired_seconds`): quality, expected time reduction
@@ -226,10 +227,12 @@ def forced_exit_benchmark(
         seconds = {name: value / new_tokens for name, value in median_seconds(functions, repeats, torch_device).items()}
         patterns = exit_patterns(forced_exit, config.decoder_layers, batch)
         report["decoder_patterns"][f"batch_{batch}"] = {}
-        for name, (controller, deepest) in patterns.items():  # each pattern timed beside its own full and floor
-            timed = {"full": decode(model), "floor": decode(model, exit_controller=FixedLayerExit(deepest))}
+        for name, layers in patterns.items():  # each pattern timed beside its own full model and floor
+            deepest, layers = int(layers.max()), layers.to(torch_device)
+            floor = per_row_exit(torch.full_like(layers, deepest))  # asked as the pattern is: only the plan differs
+            timed = {"full": decode(model), "floor": decode(model, exit_controller=floor)}
             for row_exit in ROW_EXIT_PLANS:
-                timed[row_exit] = decode(model, exit_controller=controller, row_exit=row_exit)
+                timed[row_exit] = decode(model, exit_controller=per_row_exit(layers), row_exit=row_exit)
             rounds = round_seconds({key: lambda _, f=f: f() for key, f in timed.items()}, 0, repeats, torch_device)
             report["decoder_patterns"][f"batch_{batch}"][name] = pattern_summary(rounds, deepest, new_tokens)
         if batch > 1:
@@ -248,16 +251,23 @@ def forced_exit_benchmark(
     return report
 
 
-def exit_patterns(forced_exit: int, depth: int, batch: int) -> dict[str, tuple[FixedLayerExit, int]]:
-    """Where each row of a batch exits, beside "every row after `forced_exit`": name -> (controller, the deepest
-    exit of the step). Rows that never exit run all `depth` layers. None at batch 1, where each is a uniform exit."""
+def exit_patterns(forced_exit: int, depth: int, batch: int) -> dict[str, torch.Tensor]:
+    """Where each row of a batch exits, beside "every row after `forced_exit`": name -> each row's exit layer
+    [batch] (`depth`: it runs every layer). None at batch 1, where each is a uniform exit."""
     if batch == 1:
         return {}
+    rows = torch.arange(batch)
     return {
-        "alternating": (FixedLayerExit(lambda s: torch.where(s.rows % 2 == 0, forced_exit, depth)), depth),
-        "one_row_deep": (FixedLayerExit(lambda s: torch.where(s.rows == 0, depth, forced_exit)), depth),
-        "each_row_own_layer": (FixedLayerExit(lambda s: 1 + s.rows % 3), min(3, batch)),
+        "alternating": torch.where(rows % 2 == 0, forced_exit, depth),
+        "one_row_deep": torch.where(rows == 0, depth, forced_exit),
+        "each_row_own_layer": 1 + rows % 3,
     }
+
+
+def per_row_exit(layers: torch.Tensor) -> FixedLayerExit:
+    """Each running row exits after its layer in `layers` [batch]: one lookup per question, whatever the pattern, so
+    that a pattern and its floor pay the same for being asked (on a GPU each operation costs a launch)."""
+    return FixedLayerExit(lambda state: layers[state.rows])
 
 
 def pattern_summary(rounds: dict[str, list[float]], deepest: int, new_tokens: int) -> dict:

@@ -10,8 +10,10 @@ from hf_earlyexit import ConfidenceExit, EarlyExitSettings, FixedLayerExit, benc
 from hf_earlyexit.benchmark import (
     checked_device,
     device_name,
+    exit_patterns,
     model_benchmark,
     paired_seconds,
+    per_row_exit,
     timed_on,
     truncated_model,
 )
@@ -35,6 +37,27 @@ def test_truncated_model_shares_weights_and_equals_the_forced_exit():
         **inputs, max_new_tokens=6, exit_controller={"decoder": FixedLayerExit(2), "encoder": FixedLayerExit(2)}
     )
     assert torch.equal(generated, truncated.generate(**inputs, max_new_tokens=6))
+
+
+@pytest.mark.parametrize("row_exit", ["keep", "compact"])
+def test_each_pattern_row_exits_at_its_layer_under_either_plan(row_exit):
+    model = tiny_model(decoder_layers=4)
+    patterns = exit_patterns(1, 4, 4)
+    assert {name: layers.tolist() for name, layers in patterns.items()} == {
+        "alternating": [1, 4, 1, 4], "one_row_deep": [4, 1, 1, 1], "each_row_own_layer": [1, 2, 3, 1]
+    }  # fmt: skip
+    with torch.no_grad():
+        for layers in patterns.values():  # compaction renumbers no row: the lookup follows the rows that go on
+            out = model.generate(
+                **tiny_inputs(batch=4, pad_last=0),
+                max_new_tokens=3,
+                min_new_tokens=3,
+                exit_controller=per_row_exit(layers),
+                row_exit=row_exit,
+                return_dict_in_generate=True,
+            )
+            assert out.exit_layers.tolist() == [[layer] * 3 for layer in layers.tolist()]
+    assert exit_patterns(1, 4, 1) == {}  # at batch 1 every pattern is a uniform exit
 
 
 def test_ask_only_pays_each_test_and_stops_nothing():
