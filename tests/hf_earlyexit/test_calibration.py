@@ -270,8 +270,7 @@ def test_two_calibrations_writing_one_folder_take_turns(tmp_path):
         writer.join(timeout=1.0)
         assert writer.is_alive() and not (tmp_path / "calibration.json").exists()  # it waits its turn
     writer.join()
-    record = json.loads((tmp_path / "calibration.json").read_text())
-    assert record["chosen"] == report["chosen"] and record["device"] == report["device"]
+    assert json.loads((tmp_path / "calibration.json").read_text())["chosen"] == report["chosen"]
 
 
 def test_a_file_system_without_locks_still_takes_the_calibration(tmp_path, monkeypatch):
@@ -285,8 +284,7 @@ def test_a_file_system_without_locks_still_takes_the_calibration(tmp_path, monke
     monkeypatch.setattr(fcntl, "flock", no_locks)
     report = {"chosen": {"exit_policy": "confidence", "exit_threshold": 0.5}, "tolerance": 0.01}
     save_calibration(tiny_model(), report, tmp_path)
-    record = json.loads((tmp_path / "calibration.json").read_text())
-    assert record["chosen"] == report["chosen"] and record["device"] == report["device"]
+    assert json.loads((tmp_path / "calibration.json").read_text())["chosen"] == report["chosen"]
 
 
 def test_a_setting_slower_than_the_full_model_is_never_chosen():
