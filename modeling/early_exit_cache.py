@@ -330,6 +330,34 @@ class EarlyExitCache(DynamicCache):
         slots = torch.where(valid, order, -1)
         return rows, self.pending[rows[:, None], order], slots
 
+    def catch_up_plan(self, first: int) -> list[list[int]]:
+        """recompute: per row, the first layer each slot from `first` on still waits for (`num_layers`: none), in one
+        device read. A pass that runs every waiting token up to the last layer (a speculative round's
+        verification) knows from it which tokens wait for each layer (`planned_inputs`) without reading again."""
+        return self.frontier[:, first:].tolist()
+
+    def planned_inputs(
+        self, layer_idx: int, plan: list[list[int]], first: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | slice] | None:
+        """`pending_inputs` of every row at layer `layer_idx` during a pass that runs each waiting token to the last
+        layer, from its `catch_up_plan` taken at slot `first` before it began: a token waits for this layer when it
+        waited for this one or an earlier one then."""
+        offsets = [[offset for offset, layer in enumerate(layers) if layer <= layer_idx] for layers in plan]
+        width = max(len(row) for row in offsets)
+        if width == 0:
+            return None
+        length = first + len(plan[0])
+        if all(row == list(range(length - first - width, length - first)) for row in offsets):
+            return None, self.pending[:, length - width :], slice(length - width, length)
+        rows = [row for row, waiting in enumerate(offsets) if waiting]
+        device = self.frontier.device
+        slots = torch.tensor(
+            [[first + offset for offset in offsets[row]] + [-1] * (width - len(offsets[row])) for row in rows],
+            device=device,
+        )
+        index = torch.tensor(rows, device=device)
+        return index, self.pending[index[:, None], slots.clamp(min=0)], slots
+
     def wait(self, slots: slice, hidden_states: torch.Tensor) -> None:
         """recompute: the tokens at `slots` (just opened) wait for the first layer, with input `hidden_states`
         [batch, q, d]: the next catch-ups run every layer on them."""

@@ -1063,6 +1063,7 @@ class DecoderStepBiases:
     table and no catch-up reads them). position_ids [batch or 1, T]. self_absolute [batch or 1, heads, q, T]: the
     masked absolute self-attention bias. buckets [batch or 1, q, T]: relative buckets. cross_bias [batch, heads, q, S]:
     the cross-attention bias with the encoder padding mask. query_mask [batch, q] or None: the step's decoder mask.
+    query_start: the slot of the first query (a device tensor with a `StaticCache`).
     """
 
     positions: torch.Tensor | None
@@ -1071,6 +1072,21 @@ class DecoderStepBiases:
     buckets: torch.Tensor
     cross_bias: torch.Tensor
     query_mask: torch.Tensor | None
+    query_start: int | torch.Tensor
+
+    def narrowed(self, start: int, count: int, length: int) -> "DecoderStepBiases":
+        """The terms of `count` queries at slots `start`.. over the first `length` key slots, sliced from these
+        (which cover them): one step's, from those of a speculative round computed at once."""
+        queries = slice(start - self.query_start, start - self.query_start + count)
+        return DecoderStepBiases(
+            None if self.positions is None else self.positions[:, :length],
+            self.position_ids[:, :length],
+            self.self_absolute[:, :, queries, :length],
+            self.buckets[:, queries, :length],
+            self.cross_bias[:, :, queries],
+            None if self.query_mask is None else self.query_mask[:, queries],
+            start,
+        )
 
 
 @dataclass
@@ -1429,7 +1445,7 @@ class OFADecoder(nn.Module):
     def catch_up(
         self,
         layer_idx: int,
-        rows: torch.Tensor,
+        waiting: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | slice],
         past_key_values: EncoderDecoderCache,
         positions: torch.Tensor,
         position_ids: torch.Tensor,
@@ -1437,12 +1453,9 @@ class OFADecoder(nn.Module):
         encoder_outputs: OFAEncoderOutput,
         slot_biases: "SlotBiases | None" = None,
     ) -> None:
-        """`kv_strategy="recompute"`: before this step's tokens of `rows` run layer `layer_idx`, run it on their
-        earlier tokens that exited below it, so that its keys and values are complete (DEED). The waiting tokens'
-        biases are computed here, or picked from `slot_biases`."""
-        waiting = past_key_values.self_attention_cache.pending_inputs(layer_idx, rows)
-        if waiting is None:
-            return
+        """`kv_strategy="recompute"`: run layer `layer_idx` on the `waiting` tokens (`EarlyExitCache.pending_inputs`),
+        earlier tokens that exited below it, so that its keys and values are complete (DEED). Their biases are
+        computed here, or picked from `slot_biases`."""
         rows, hidden_states, slots = waiting  # [R] or None (all), [R, P, d], [R, P] (-1 = padding) or a slice
         if slot_biases is not None:
             self_absolute, buckets, cross_bias = slot_biases.select(rows, slots)
@@ -1478,30 +1491,39 @@ class OFADecoder(nn.Module):
         attention_mask: torch.Tensor | None,
         past_key_values: EncoderDecoderCache,
         position_ids: torch.LongTensor | None = None,
+        step_biases: DecoderStepBiases | None = None,
     ) -> None:
         """`kv_strategy="recompute"`: append `input_ids` [batch, q] to the cache as tokens waiting for the first layer,
         then run each layer once on every token waiting for it (the layers earlier tokens skipped, and all of the new
         ones'), so that every slot holds the K/V of a full-depth pass. The final-layer output of each token that ran
         here waits in the cache (`pending`): speculative decoding reads the full model's distributions there. With
-        `input_ids` None, only the cache's waiting tokens run."""
+        `input_ids` None, only the cache's waiting tokens run. `step_biases`: position terms already computed for
+        queries at every slot from their first on, before which no token waits (a speculative round's, from its first
+        slot), else computed here."""
         self_cache = past_key_values.self_attention_cache
         if input_ids is not None:
             hidden_states = self.layer_inputs(self.embed_tokens(input_ids))
             self_cache.wait(self_cache.open_slots(hidden_states, self.num_heads), hidden_states)
         batch, length = encoder_outputs.last_hidden_state.shape[0], self_cache.get_seq_length()
         # Every layer runs on some of the slots from the first waiting one on: their biases, computed once.
-        first = int((self_cache.frontier < len(self.layers)).any(dim=0).long().argmax())
+        if step_biases is not None:
+            first = step_biases.query_start
+        else:
+            first = int((self_cache.frontier < len(self.layers)).any(dim=0).long().argmax())
         step = self.step_biases(
-            first, length - first, length, attention_mask, encoder_outputs, self_cache, position_ids
+            first, length - first, length, attention_mask, encoder_outputs, self_cache, position_ids, step_biases
         )
         biases = (step.self_absolute, step.buckets, step.cross_bias)
         slot_biases = SlotBiases(first, *(bias.expand(batch, *bias.shape[1:]) for bias in biases))
-        rows = torch.arange(batch, device=encoder_outputs.last_hidden_state.device)
+        plan = self_cache.catch_up_plan(first)
         for layer_idx in range(len(self.layers)):
-            self.catch_up(
-                layer_idx, rows, past_key_values, step.positions, step.position_ids, attention_mask, encoder_outputs,
-                slot_biases,
-            )  # fmt: skip
+            waiting = self_cache.planned_inputs(layer_idx, plan, first)
+            if waiting is not None:
+                self.catch_up(
+                    layer_idx, waiting, past_key_values, step.positions, step.position_ids, attention_mask,
+                    encoder_outputs, slot_biases,
+                )  # fmt: skip
+        self_cache.waiting_layers.clear()  # every slot now holds a full-depth pass
 
     def complete_layer(
         self,
@@ -1516,9 +1538,10 @@ class OFADecoder(nn.Module):
         (`propagate`, `copy`), or the layer runs on their waiting states (`recompute`)."""
         self_cache = past_key_values.self_attention_cache
         self_cache.fill_skipped(layer_idx)
-        if self_cache.frontier is not None:
+        waiting = self_cache.pending_inputs(layer_idx, rows) if self_cache.frontier is not None else None
+        if waiting is not None:
             self.catch_up(
-                layer_idx, rows, past_key_values, step.positions, step.position_ids, attention_mask, encoder_outputs
+                layer_idx, waiting, past_key_values, step.positions, step.position_ids, attention_mask, encoder_outputs
             )
 
     def checked_cache(
@@ -1570,10 +1593,14 @@ class OFADecoder(nn.Module):
         encoder_outputs: OFAEncoderOutput,
         self_cache: EarlyExitCache | None,
         position_ids: torch.Tensor | None = None,
+        computed: DecoderStepBiases | None = None,
     ) -> DecoderStepBiases:
         """The position terms of `query` queries at slots past.. of the `length` key slots (`cache_span`); read from
         the `position_table` when no gradient is needed and no tracer runs (it would trace the whole table in at every
-        step): sliced when rows have no decoder mask or position ids (positions 0, 1, ...), gathered otherwise."""
+        step): sliced when rows have no decoder mask or position ids (positions 0, 1, ...), gathered otherwise. Taken
+        from `computed` when given, terms computed before for these queries among others."""
+        if computed is not None:
+            return computed.narrowed(past, query, length)
         device = encoder_outputs.last_hidden_state.device
         # Slots are positions, but where rows skip holes (speculative decoding): then read the positions themselves.
         skips = position_ids is not None and length > self.config.max_position_embeddings
@@ -1602,7 +1629,7 @@ class OFADecoder(nn.Module):
         else:
             positions = self.pos_ln(self.embed_positions(position_ids))
             biases = self.attention_biases(positions, position_ids, query_slots[None], attention_mask, encoder_outputs)
-        return DecoderStepBiases(positions, position_ids, *biases, query_mask)
+        return DecoderStepBiases(positions, position_ids, *biases, query_mask, past)
 
     def exit_question(
         self,
@@ -1694,6 +1721,7 @@ class OFADecoder(nn.Module):
         output_exit_hidden_states: bool = False,
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
+        step_biases: DecoderStepBiases | None = None,
     ) -> "OFADecoderOutput":
         """Decode `input_ids` [batch, q], the newest q tokens after the `past_key_values` prefix.
 
@@ -1705,6 +1733,8 @@ class OFADecoder(nn.Module):
         of the layers after (`exit_settings.row_exit`). The cache then fills the layers it skipped by
         `exit_settings.kv_strategy`. `exit_layers` in the output is the layer each row exited after.
         `output_exit_hidden_states` (training the exits) returns every exit head's input after the final LayerNorm.
+        `step_biases`: position terms already computed for these queries (`DecoderStepBiases.narrowed` picks them from
+        those of a speculative round's drafts, computed at once), else computed here.
         """
         check_one_of(input_ids, inputs_embeds, "decoder_input_ids", "decoder_inputs_embeds")
         if inputs_embeds is None:
@@ -1721,7 +1751,7 @@ class OFADecoder(nn.Module):
 
         hidden_states = self.layer_inputs(inputs_embeds)  # [batch, q, d]
         step = self.step_biases(
-            past, tokens.shape[1], length, attention_mask, encoder_outputs, self_cache, position_ids
+            past, tokens.shape[1], length, attention_mask, encoder_outputs, self_cache, position_ids, step_biases
         )
         slots = self_cache.open_slots(hidden_states, self.num_heads) if self_cache is not None else None
         if cache is not None and not torch.is_grad_enabled() and not any(past_key_values.is_updated.values()):

@@ -165,6 +165,21 @@ class SlotMask:
         return opened - keep
 
 
+@dataclass
+class RoundSlots:
+    """A round's decoder mask and position ids over the slots it may open (`SlotMask.covering`, None for both while
+    no row has a hole), and the position terms of its queries there (`DecoderStepBiases`): computed once, and each
+    draft step and the verification takes its own part."""
+
+    mask: torch.Tensor | None
+    positions: torch.Tensor | None
+    biases: Any
+
+    def covering(self, slots: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The mask and position ids over the first `slots` slots."""
+        return tuple(None if tensor is None else tensor[:, :slots] for tensor in (self.mask, self.positions))
+
+
 class CappedDraft(ExitController):
     """A draft's controller, with each row also stopped once it reaches its cap: the shallowest exit of its round's
     earlier drafts. A draft then never needs a layer that an earlier draft skipped (which would run that layer on
@@ -258,17 +273,27 @@ class SpeculativeDecoding:
     def depth(self) -> int:
         return len(self.decoder.layers)
 
+    def round_slots(self, slots: SlotMask, count: int) -> RoundSlots:
+        """The `RoundSlots` of a round that opens `count` slots."""
+        start = self.cache.get_seq_length()
+        mask, positions = slots.covering(start + count)
+        biases = self.decoder.step_biases(
+            start, count, start + count, mask, self.encoder_outputs, self.cache.self_attention_cache, positions
+        )
+        return RoundSlots(mask, positions, biases)
+
     def draft(
-        self, tokens: torch.Tensor, slots: SlotMask, controller: "CappedDraft"
+        self, tokens: torch.Tensor, round_slots: RoundSlots, controller: "CappedDraft"
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One drafting step of every row on `tokens` [batch] under `controller`: (logits [batch, vocab] over the draft
         vocabulary, exit layers [batch], the final-LayerNorm'd states [batch, d] the logits project)."""
-        mask, positions = slots.covering(self.cache.get_seq_length() + 1)
+        mask, positions = round_slots.covering(self.cache.get_seq_length() + 1)
         settings = dataclasses.replace(self.drafting, decoder=controller)
         with record_function("speculative.draft"):  # where a round's time goes, under `torch.profiler`
             out = self.decoder(
-                tokens[:, None], self.encoder_outputs, mask, self.cache, settings, position_ids=positions
-            )
+                tokens[:, None], self.encoder_outputs, mask, self.cache, settings, position_ids=positions,
+                step_biases=round_slots.biases,
+            )  # fmt: skip
             hidden_states = out.last_hidden_state[:, -1]
             if out.logits is not None:
                 logits = out.logits[:, -1]
@@ -277,14 +302,15 @@ class SpeculativeDecoding:
                 logits = self.decoder.projected(hidden_states, vocabulary)
         return logits.float(), out.exit_layers.clone(), hidden_states
 
-    def verify(self, tokens: torch.Tensor | None, slots: SlotMask) -> None:
+    def verify(self, tokens: torch.Tensor | None, round_slots: RoundSlots) -> None:
         """The verification of a round: every draft run through the layers it skipped, with `tokens` [batch] (the last
         drafts) run through all of them; None when every row's last draft step was left unused."""
-        mask, positions = slots.covering(self.cache.get_seq_length() + (tokens is not None))
+        mask, positions = round_slots.covering(self.cache.get_seq_length() + (tokens is not None))
         with record_function("speculative.verify"):
             self.decoder.verify(
-                None if tokens is None else tokens[:, None], self.encoder_outputs, mask, self.cache, positions
-            )
+                None if tokens is None else tokens[:, None], self.encoder_outputs, mask, self.cache, positions,
+                round_slots.biases,
+            )  # fmt: skip
 
     def pick(self, scores: torch.Tensor) -> torch.Tensor:
         if self.do_sample:
@@ -306,6 +332,7 @@ class SpeculativeDecoding:
         token at a time. The verification gives the full model's token in its place. The round ends for every row
         once at most `ROUND_GOES_ON` of them still draft."""
         start = self.cache.get_seq_length()
+        round_slots = self.round_slots(slots, k + 1)
         tokens.grow(max(tokens.lengths) + k + 1)
         drafting = list(rows)
         going = torch.zeros_like(inputs, dtype=torch.bool)
@@ -313,7 +340,7 @@ class SpeculativeDecoding:
         drafts, kept, caps = [], torch.zeros_like(inputs), torch.full_like(inputs, self.depth)
         for offset in range(k):
             controller = CappedDraft(self.drafting.decoder, caps)
-            logits, exit_layers, hidden_states = self.draft(inputs, slots, controller)
+            logits, exit_layers, hidden_states = self.draft(inputs, round_slots, controller)
             forced = set(controller.forced_rows())
             drafting = [row for row in drafting if row not in forced]
             if not drafting:
@@ -340,7 +367,7 @@ class SpeculativeDecoding:
                 break
         # The last drafts are fed only for rows still drafting: a row that stopped at its cap left its last step's
         # output waiting, and one that drafted its end token needs nothing after it.
-        self.verify(inputs if bool(going.any()) else None, slots)
+        self.verify(inputs if bool(going.any()) else None, round_slots)
         p_logits = self.verified_logits(drafts, start)
         p_scores = torch.stack(
             [
@@ -470,7 +497,7 @@ def speculative_generate(
         generation_config._eos_token_tensor,
         generation_config.max_length,
     )
-    draft_tokens = generation_config.num_assistant_tokens or DEFAULT_DRAFT_TOKENS
+    draft_tokens = int(generation_config.num_assistant_tokens or DEFAULT_DRAFT_TOKENS)  # a NumPy integer too
     adaptive = generation_config.num_assistant_tokens_schedule in ("heuristic", "heuristic_transient")
     batch, max_length = input_ids.shape[0], generation_config.max_length
     tokens = RowTokens(input_ids, max_length + draft_tokens + 1, pad)

@@ -248,6 +248,38 @@ def test_a_reset_cache_serves_weights_changed_since(model):
         )
 
 
+def test_a_verification_plans_each_layers_catch_up_from_one_read_of_the_cache(model):
+    """A pass that runs every waiting token to the last layer (speculative mode's verification) reads where each
+    slot waits once (`catch_up_plan`) and derives each layer's waiting tokens from it (`planned_inputs`): the same
+    rows, slots and states as reading the cache before each layer (`pending_inputs`), for rows waiting alike (no
+    gathers) and apart."""
+    torch.manual_seed(0)
+    heads, width, first = model.config.decoder_attention_heads, model.config.d_model, 2
+    patterns = (
+        [[DEPTH, DEPTH, 1, 1, 0], [DEPTH, DEPTH, 1, 1, 0]],  # every row alike: the last slots, a slice
+        [[DEPTH, DEPTH, 1, 2, 0], [DEPTH, DEPTH, DEPTH, 3, 0], [DEPTH, DEPTH, 2, DEPTH, DEPTH]],  # rows apart
+    )
+    for pattern in patterns:
+        cache = EarlyExitCache(model.config, "recompute")
+        cache.open_slots(torch.zeros(len(pattern), len(pattern[0]), width), heads)
+        cache.frontier[:] = torch.tensor(pattern)
+        cache.pending[:] = torch.randn_like(cache.pending)
+        cache.waiting_layers.update(range(DEPTH))
+        plan, rows = cache.catch_up_plan(first), torch.arange(len(pattern))
+        for layer in range(DEPTH):
+            planned, read = cache.planned_inputs(layer, plan, first), cache.pending_inputs(layer, rows)
+            assert (planned is None) == (read is None), layer
+            if read is None:
+                continue
+            if isinstance(read[2], slice):
+                assert planned[0] is None and planned[2] == read[2] and torch.equal(planned[1], read[1])
+            else:
+                assert torch.equal(planned[0], read[0]) and torch.equal(planned[2], read[2]), layer
+                valid = read[2] >= 0
+                assert torch.equal(planned[1][valid], read[1][valid])
+            cache.advance(layer, read[0], read[2], read[1] + 1)
+
+
 def test_the_cache_grows_in_place_and_holds_what_a_dynamic_cache_would_through_batch_operations(model):
     """A step's slots are views of a buffer with room (no copy of the whole cache per layer and step), and what the
     cache holds after crops, beam reorderings and row selections is what concatenation would hold."""

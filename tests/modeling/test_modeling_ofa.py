@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from hf_earlyexit.convert import clean_state_dict, infer_config, load_converted_model
+from hf_earlyexit.modeling.early_exit_cache import EarlyExitCache
 from hf_earlyexit.modeling.exit_controllers import FixedLayerExit
 from hf_earlyexit.modeling.modeling_ofa import image_relative_buckets, shift_tokens_right, token_relative_buckets
 from tests.helpers import tiny_inputs, tiny_model
@@ -259,6 +260,37 @@ def test_decoding_from_the_position_table_equals_the_per_step_biases():
         torch.testing.assert_close(table, steps(True, None), atol=1e-5, rtol=1e-5)
         holes = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 0, 1]])
         torch.testing.assert_close(steps(False, holes), steps(True, holes), atol=1e-5, rtol=1e-5)
+
+
+def test_position_terms_of_several_steps_narrow_to_each_steps_own():
+    """A speculative round computes the position terms of all its slots at once, and each draft step and the
+    verification take their part (`DecoderStepBiases.narrowed`): each part must equal the terms computed for those
+    queries alone, sliced from the table (no mask) and gathered at each row's positions (a mask with holes)."""
+    model = tiny_model()
+    decoder, inputs = model.get_decoder(), tiny_inputs()
+    cache = EarlyExitCache(model.config, "recompute")
+    start, count = 2, 4
+    holes = torch.tensor([[1, 1, 0, 1, 1, 1], [0, 1, 1, 0, 1, 1]])
+    with torch.no_grad():
+        encoder_outputs = model.get_encoder()(**inputs)
+        for mask in (None, holes):
+            slots = start + count
+            at_once = decoder.step_biases(start, count, slots, mask, encoder_outputs, cache)
+            for first, queries in ((start, 1), (start + 1, 1), (start + 3, 1), (start + 1, 3)):
+                length = first + queries
+                own = decoder.step_biases(
+                    first, queries, length, None if mask is None else mask[:, :length], encoder_outputs, cache
+                )
+                part = at_once.narrowed(first, queries, length)
+                assert part.query_start == own.query_start == first
+                for name in ("positions", "position_ids", "self_absolute", "buckets", "cross_bias", "query_mask"):
+                    ours, theirs = getattr(part, name), getattr(own, name)
+                    if theirs is None:
+                        assert ours is None, name
+                    else:
+                        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0, msg=f"{name}, mask {mask}")
+                passed = decoder.step_biases(first, queries, length, None, encoder_outputs, cache, computed=at_once)
+                torch.testing.assert_close(passed.self_absolute, own.self_absolute, atol=1e-6, rtol=0)
 
 
 def assert_decodes_alike(model, reference, inputs: dict, atol: float) -> None:
