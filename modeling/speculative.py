@@ -187,7 +187,11 @@ class CappedDraft(ExitController):
 
     def __init__(self, controller: ExitController, caps: torch.Tensor):
         self.controller = controller
-        self.caps = caps  # [batch]
+        self.capped_at(caps)
+
+    def capped_at(self, caps: torch.Tensor) -> None:
+        """The caps [batch] of the next draft step."""
+        self.caps = caps
         self.forced = torch.zeros_like(caps, dtype=torch.bool)  # rows it stopped at their cap against the controller
 
     def __call__(self, state: ExitState) -> torch.BoolTensor:
@@ -199,10 +203,6 @@ class CappedDraft(ExitController):
             capped = self.caps[state.rows] <= state.layer
             self.forced[state.rows] = capped & ~ready
         return ready | capped
-
-    def forced_rows(self) -> list[int]:
-        """The rows this step stopped at their cap although the controller was not ready there."""
-        return [row for row, forced in enumerate(self.forced.tolist()) if forced]  # one device read
 
 
 @dataclass
@@ -283,12 +283,12 @@ class SpeculativeDecoding:
         return RoundSlots(mask, positions, biases)
 
     def draft(
-        self, tokens: torch.Tensor, round_slots: RoundSlots, controller: "CappedDraft"
+        self, tokens: torch.Tensor, round_slots: RoundSlots, settings: object
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One drafting step of every row on `tokens` [batch] under `controller`: (logits [batch, vocab] over the draft
-        vocabulary, exit layers [batch], the final-LayerNorm'd states [batch, d] the logits project)."""
+        """One drafting step of every row on `tokens` [batch] under the draft `settings` (whose decoder controller is a
+        `CappedDraft`): (logits [batch, vocab] over the draft vocabulary, exit layers [batch], the final-LayerNorm'd
+        states [batch, d] the logits project)."""
         mask, positions = round_slots.covering(self.cache.get_seq_length() + 1)
-        settings = dataclasses.replace(self.drafting, decoder=controller)
         with record_function("speculative.draft"):  # where a round's time goes, under `torch.profiler`
             out = self.decoder(
                 tokens[:, None], self.encoder_outputs, mask, self.cache, settings, position_ids=positions,
@@ -338,27 +338,28 @@ class SpeculativeDecoding:
         going = torch.zeros_like(inputs, dtype=torch.bool)
         going[rows] = True
         drafts, kept, caps = [], torch.zeros_like(inputs), torch.full_like(inputs, self.depth)
+        controller = CappedDraft(self.drafting.decoder, caps)
+        settings = dataclasses.replace(self.drafting, decoder=controller)
         for offset in range(k):
-            controller = CappedDraft(self.drafting.decoder, caps)
-            logits, exit_layers, hidden_states = self.draft(inputs, round_slots, controller)
-            forced = set(controller.forced_rows())
-            drafting = [row for row in drafting if row not in forced]
-            if not drafting:
-                break
-            going[list(forced)] = False
-            caps = torch.minimum(caps, exit_layers)
+            logits, exit_layers, hidden_states = self.draft(inputs, round_slots, settings)
+            # The rows' scores and picks before knowing which rows drafted: a row the cap stopped throws them away.
             scores = processed(self.processors, tokens, drafting, offset, logits)
             if self.do_sample and self.drafting.draft_vocabulary is not None:
                 # A row the processors left none of the vocabulary samples a uniform q (greedy's argmax needs no q).
                 scores = scores.masked_fill((scores == -torch.inf).all(dim=-1, keepdim=True), 0.0)
             picked = self.pick(scores)
+            forced, ends = self.draft_stops(controller.forced, picked, going)
+            drafting = [row for row in drafting if row not in forced]
+            if not drafting:
+                break
+            if forced:
+                going[list(forced)] = False
+            caps = torch.minimum(caps, exit_layers)
+            controller.capped_at(caps)
             tokens.write(drafting, offset, picked)
             drafts.append(Draft(picked, logits, scores, exit_layers, hidden_states))
-            kept += going.long()
-            ended = {row for row in drafting if tokens.lengths[row] + offset + 1 >= self.max_length}
-            if self.eos_token_ids is not None:
-                ends = (torch.isin(picked, self.eos_token_ids) & going).tolist()
-                ended.update(row for row, end in enumerate(ends) if end)
+            kept += going
+            ended = {row for row in drafting if tokens.lengths[row] + offset + 1 >= self.max_length} | ends
             if ended:
                 drafting = [row for row in drafting if row not in ended]
                 going[list(ended)] = False
@@ -388,6 +389,13 @@ class SpeculativeDecoding:
         exit_layers = torch.stack(layers, dim=1)
         exit_layers.scatter_(1, accepted[:, None], self.depth)
         return RoundResult(emitted, exit_layers, p_scores, p_logits, accepted, kept)
+
+    def draft_stops(self, forced: torch.Tensor, picked: torch.Tensor, going: torch.Tensor) -> tuple[set[int], set[int]]:
+        """Of a draft step's rows still `going` [batch], those its cap stopped against their controller (`forced`
+        [batch]) and those of the others that drafted an end token (`picked` [batch]): in one device read."""
+        ends = torch.isin(picked, self.eos_token_ids) if self.eos_token_ids is not None else torch.zeros_like(forced)
+        flags = torch.stack([forced & going, ends & going & ~forced]).tolist()
+        return ({row for row, flag in enumerate(row_flags) if flag} for row_flags in flags)
 
     def verified_logits(self, drafts: list[Draft], start: int) -> torch.Tensor:
         """The full model's logits [batch, k + 1, vocab] after each drafted prefix and after the last draft: the
