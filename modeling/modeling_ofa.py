@@ -1453,9 +1453,9 @@ class OFADecoder(nn.Module):
         encoder_outputs: OFAEncoderOutput,
         slot_biases: "SlotBiases | None" = None,
     ) -> None:
-        """`kv_strategy="recompute"`: run layer `layer_idx` on the `waiting` tokens (`EarlyExitCache.pending_inputs`),
-        earlier tokens that exited below it, so that its keys and values are complete (DEED). Their biases are
-        computed here, or picked from `slot_biases`."""
+        """`kv_strategy="recompute"`: run layer `layer_idx` on the `waiting` tokens, earlier tokens that exited below it
+        (`EarlyExitCache.pending_inputs` or `planned_inputs`), so that its keys and values are complete (DEED). Their
+        biases are computed here, or picked from `slot_biases`."""
         rows, hidden_states, slots = waiting  # [R] or None (all), [R, P, d], [R, P] (-1 = padding) or a slice
         if slot_biases is not None:
             self_absolute, buckets, cross_bias = slot_biases.select(rows, slots)

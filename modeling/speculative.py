@@ -394,8 +394,8 @@ class SpeculativeDecoding:
         """Of a draft step's rows still `going` [batch], those its cap stopped against their controller (`forced`
         [batch]) and those of the others that drafted an end token (`picked` [batch]): in one device read."""
         ends = torch.isin(picked, self.eos_token_ids) if self.eos_token_ids is not None else torch.zeros_like(forced)
-        flags = torch.stack([forced & going, ends & going & ~forced]).tolist()
-        return ({row for row, flag in enumerate(row_flags) if flag} for row_flags in flags)
+        capped, ended = torch.stack([forced & going, ends & going & ~forced]).tolist()
+        return {row for row, flag in enumerate(capped) if flag}, {row for row, flag in enumerate(ended) if flag}
 
     def verified_logits(self, drafts: list[Draft], start: int) -> torch.Tensor:
         """The full model's logits [batch, k + 1, vocab] after each drafted prefix and after the last draft: the
