@@ -146,16 +146,16 @@ class SlotMask:
         mask, counted = (F.pad(tensor, (0, slots - tensor.shape[1]), value=1) for tensor in (self.mask, self.counted))
         return mask, (counted.cumsum(dim=-1) - 1).clamp(min=0, max=self.last_position)
 
-    def close_round(self, slots: int, real: torch.Tensor, start: int) -> int:
+    def close_round(self, slots: int, real: list[int], start: int, device: torch.device) -> int:
         """After a round whose slots start at `start` (of `slots`), the first `real[row]` of them real and the rest
         holes: returns how many trailing slots are holes in every row, to crop."""
-        keep = int(real.max())
+        keep = max(real)
         opened = slots - start
-        if self.mask is None and bool((real == keep).all()):
+        if self.mask is None and all(count == keep for count in real):
             return opened - keep
         if self.mask is None:
-            self.mask = self.counted = torch.ones(real.shape[0], start, dtype=torch.long, device=real.device)
-        new = (torch.arange(keep, device=real.device)[None] < real[:, None]).long()
+            self.mask = self.counted = torch.ones(len(real), start, dtype=torch.long, device=device)
+        new = (torch.arange(keep, device=device)[None] < torch.tensor(real, device=device)[:, None]).long()
         # The round's first slot may be the prompt's last token (the first round's input): its own values stay.
         self.mask, self.counted = (
             F.pad(tensor, (0, start + keep - tensor.shape[1]), value=1) for tensor in (self.mask, self.counted)
@@ -522,15 +522,16 @@ def speculative_generate(
         appended, still = commit_round(result, tokens, generating, log, stopping_criteria)
         if streamer is not None:
             streamed = stream(streamer, tokens, still, streamed)
-        real = torch.tensor(appended, device=inputs.device)  # the inputs before the tokens each row appended
-        crop = slots.close_round(decoding.cache.get_seq_length(), real, start)
+        # Each row's real slots of the round: the inputs before the tokens it appended.
+        crop = slots.close_round(decoding.cache.get_seq_length(), appended, start, inputs.device)
         if crop:
             decoding.cache.self_attention_cache.crop(-crop)
         last = result.tokens.gather(1, result.accepted[:, None])[:, 0]
         inputs = torch.full_like(inputs, pad)
         inputs[still] = last[still]
         if adaptive and k:
-            all_taken = all(int(result.accepted[row]) == k for row in generating)
+            accepted = result.accepted.tolist()  # one device read
+            all_taken = all(accepted[row] == k for row in generating)
             draft_tokens = draft_tokens + 2 if all_taken else max(1, draft_tokens - 1)
         generating = still
     if streamer is not None:
@@ -552,7 +553,9 @@ def commit_round(
     """Append each row's emitted tokens one at a time, checking the stopping criteria after each on the row's own
     sequence (so a row stops exactly where the full model's loop would); returns how many tokens each row appended
     [batch] and the rows still generating."""
-    accepted, drafted, exit_layers = result.accepted.tolist(), result.drafted.tolist(), result.exit_layers.tolist()
+    # One device read of what the round gives each row: accepted and drafted counts, then its tokens' exit layers.
+    counts = torch.cat([result.accepted[:, None], result.drafted[:, None], result.exit_layers], dim=1).tolist()
+    accepted, drafted, exit_layers = zip(*((row[0], row[1], row[2:]) for row in counts), strict=True)
     for row in rows:
         log.drafted[row] += drafted[row]
         log.rounds[row] += 1
