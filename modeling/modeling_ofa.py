@@ -1063,7 +1063,7 @@ class DecoderStepBiases:
     table and no catch-up reads them). position_ids [batch or 1, T]. self_absolute [batch or 1, heads, q, T]: the
     masked absolute self-attention bias. buckets [batch or 1, q, T]: relative buckets. cross_bias [batch, heads, q, S]:
     the cross-attention bias with the encoder padding mask. query_mask [batch, q] or None: the step's decoder mask.
-    query_start: the slot of the first query (a device tensor with a `StaticCache`).
+    query_start: the slot of the first query (a device tensor with a `StaticCache`, which `narrowed` does not take).
     """
 
     positions: torch.Tensor | None
@@ -1077,7 +1077,13 @@ class DecoderStepBiases:
     def narrowed(self, start: int, count: int, length: int) -> "DecoderStepBiases":
         """The terms of `count` queries at slots `start`.. over the first `length` key slots, sliced from these
         (which cover them): one step's, from those of a speculative round computed at once."""
-        queries = slice(start - self.query_start, start - self.query_start + count)
+        first, covered = start - self.query_start, self.self_absolute.shape[2]
+        if not (0 <= first and first + count <= covered and length <= self.self_absolute.shape[3]):
+            raise ValueError(
+                f"These position terms cover queries at slots {self.query_start}..{self.query_start + covered - 1} "
+                f"over {self.self_absolute.shape[3]} key slots, not {count} at slot {start} over {length}."
+            )
+        queries = slice(first, first + count)
         return DecoderStepBiases(
             None if self.positions is None else self.positions[:, :length],
             self.position_ids[:, :length],
@@ -1497,9 +1503,9 @@ class OFADecoder(nn.Module):
         then run each layer once on every token waiting for it (the layers earlier tokens skipped, and all of the new
         ones'), so that every slot holds the K/V of a full-depth pass. The final-layer output of each token that ran
         here waits in the cache (`pending`): speculative decoding reads the full model's distributions there. With
-        `input_ids` None, only the cache's waiting tokens run. `step_biases`: position terms already computed for
-        queries at every slot from their first on, before which no token waits (a speculative round's, from its first
-        slot), else computed here."""
+        `input_ids` None, only the cache's waiting tokens run. `step_biases`: a speculative round's position terms,
+        computed for its slots from `step_biases.query_start` on (else computed here); no token may wait before that
+        slot, since the layers then run the round's slots only (a round starts with every slot complete)."""
         self_cache = past_key_values.self_attention_cache
         if input_ids is not None:
             hidden_states = self.layer_inputs(self.embed_tokens(input_ids))

@@ -28,7 +28,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,10 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.streamers import BaseStreamer
 
 from .exit_controllers import ExitController, ExitState, checked_decision
+
+if TYPE_CHECKING:  # both import this module
+    from .generation_early_exit import EarlyExitSettings
+    from .modeling_ofa import DecoderStepBiases
 
 DEFAULT_DRAFT_TOKENS = 4  # when the generation config leaves `num_assistant_tokens` unset
 # A round goes on drafting only while more than this fraction of its rows still draft: a step costs the batch about
@@ -173,7 +177,7 @@ class RoundSlots:
 
     mask: torch.Tensor | None
     positions: torch.Tensor | None
-    biases: Any
+    biases: "DecoderStepBiases"
 
     def covering(self, slots: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The mask and position ids over the first `slots` slots."""
@@ -181,9 +185,10 @@ class RoundSlots:
 
 
 class CappedDraft(ExitController):
-    """A draft's controller, with each row also stopped once it reaches its cap: the shallowest exit of its round's
-    earlier drafts. A draft then never needs a layer that an earlier draft skipped (which would run that layer on
-    the earlier draft, one token at a time): the verification runs them all at once."""
+    """The drafts' controller in a round, with each row also stopped once it reaches its cap: the shallowest exit of
+    the round's earlier drafts (`capped_at` sets them before each draft step). A draft then never needs a layer that
+    an earlier draft skipped (which would run that layer on the earlier draft, one token at a time): the
+    verification runs them all at once."""
 
     def __init__(self, controller: ExitController, caps: torch.Tensor):
         self.controller = controller
@@ -283,7 +288,7 @@ class SpeculativeDecoding:
         return RoundSlots(mask, positions, biases)
 
     def draft(
-        self, tokens: torch.Tensor, round_slots: RoundSlots, settings: object
+        self, tokens: torch.Tensor, round_slots: RoundSlots, settings: "EarlyExitSettings"
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One drafting step of every row on `tokens` [batch] under the draft `settings` (whose decoder controller is a
         `CappedDraft`): (logits [batch, vocab] over the draft vocabulary, exit layers [batch], the final-LayerNorm'd
@@ -348,12 +353,12 @@ class SpeculativeDecoding:
                 # A row the processors left none of the vocabulary samples a uniform q (greedy's argmax needs no q).
                 scores = scores.masked_fill((scores == -torch.inf).all(dim=-1, keepdim=True), 0.0)
             picked = self.pick(scores)
-            forced, ends = self.draft_stops(controller.forced, picked, going)
-            drafting = [row for row in drafting if row not in forced]
+            capped, ends = self.draft_stops(controller.forced, picked, going)
+            if capped:  # their last step's output waits for the verification; nothing of theirs is fed again
+                going[list(capped)] = False
+            drafting = [row for row in drafting if row not in capped]
             if not drafting:
                 break
-            if forced:
-                going[list(forced)] = False
             caps = torch.minimum(caps, exit_layers)
             controller.capped_at(caps)
             tokens.write(drafting, offset, picked)

@@ -291,6 +291,9 @@ def test_position_terms_of_several_steps_narrow_to_each_steps_own():
                         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0, msg=f"{name}, mask {mask}")
                 passed = decoder.step_biases(first, queries, length, None, encoder_outputs, cache, computed=at_once)
                 torch.testing.assert_close(passed.self_absolute, own.self_absolute, atol=1e-6, rtol=0)
+            for first, queries, length in ((start - 1, 1, start), (start + 3, 2, slots + 1), (start, 1, slots + 1)):
+                with pytest.raises(ValueError, match="position terms cover queries at slots 2..5"):
+                    at_once.narrowed(first, queries, length)
 
 
 def assert_decodes_alike(model, reference, inputs: dict, atol: float) -> None:
