@@ -28,7 +28,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +37,6 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.streamers import BaseStreamer
 
 from .exit_controllers import ExitController, ExitState, checked_decision
-
-if TYPE_CHECKING:  # both import this module
-    from .generation_early_exit import EarlyExitSettings
-    from .modeling_ofa import DecoderStepBiases
 
 DEFAULT_DRAFT_TOKENS = 4  # when the generation config leaves `num_assistant_tokens` unset
 # A round goes on drafting only while more than this fraction of its rows still draft: a step costs the batch about
@@ -177,7 +173,7 @@ class RoundSlots:
 
     mask: torch.Tensor | None
     positions: torch.Tensor | None
-    biases: "DecoderStepBiases"
+    biases: Any  # a `DecoderStepBiases` (modeling_ofa imports this module)
 
     def covering(self, slots: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The mask and position ids over the first `slots` slots."""
@@ -288,11 +284,11 @@ class SpeculativeDecoding:
         return RoundSlots(mask, positions, biases)
 
     def draft(
-        self, tokens: torch.Tensor, round_slots: RoundSlots, settings: "EarlyExitSettings"
+        self, tokens: torch.Tensor, round_slots: RoundSlots, settings: Any
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One drafting step of every row on `tokens` [batch] under the draft `settings` (whose decoder controller is a
-        `CappedDraft`): (logits [batch, vocab] over the draft vocabulary, exit layers [batch], the final-LayerNorm'd
-        states [batch, d] the logits project)."""
+        """One drafting step of every row on `tokens` [batch] under the draft `settings` (`EarlyExitSettings`, whose
+        decoder controller is a `CappedDraft`): (logits [batch, vocab] over the draft vocabulary, exit layers [batch],
+        the final-LayerNorm'd states [batch, d] the logits project)."""
         mask, positions = round_slots.covering(self.cache.get_seq_length() + 1)
         with record_function("speculative.draft"):  # where a round's time goes, under `torch.profiler`
             out = self.decoder(
