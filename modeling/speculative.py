@@ -274,9 +274,8 @@ class SpeculativeDecoding:
     def depth(self) -> int:
         return len(self.decoder.layers)
 
-    def round_slots(self, slots: SlotMask, count: int) -> RoundSlots:
-        """The `RoundSlots` of a round that opens `count` slots."""
-        start = self.cache.get_seq_length()
+    def round_slots(self, slots: SlotMask, start: int, count: int) -> RoundSlots:
+        """The `RoundSlots` of a round that opens `count` slots from slot `start`."""
         mask, positions = slots.covering(start + count)
         biases = self.decoder.step_biases(
             start, count, start + count, mask, self.encoder_outputs, self.cache.self_attention_cache, positions
@@ -333,7 +332,7 @@ class SpeculativeDecoding:
         token at a time. The verification gives the full model's token in its place. The round ends for every row
         once at most `ROUND_GOES_ON` of them still draft."""
         start = self.cache.get_seq_length()
-        round_slots = self.round_slots(slots, k + 1)
+        round_slots = self.round_slots(slots, start, k + 1)
         tokens.grow(max(tokens.lengths) + k + 1)
         drafting = list(rows)
         going = torch.zeros_like(inputs, dtype=torch.bool)
