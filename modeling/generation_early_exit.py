@@ -173,6 +173,15 @@ class EarlyExitSettings:
         parts = dict.fromkeys(ENCODER_PARTS)  # the encoder runs in full
         return dataclasses.replace(self, **parts, **fixed, draft_vocabulary=vocabulary)
 
+    def for_rows(self, rows: int) -> "EarlyExitSettings":
+        """The settings a call of `rows` decoder rows decodes with: in speculative mode past `draft_max_batch_size`,
+        where drafts stop paying, the full decoder's (no decoder exit, and the default KV strategy: a `recompute`
+        cache costs 1–2% of a step even where no token exits)."""
+        bound = self.draft_max_batch_size
+        if self.exit_mode != "speculative" or bound is None or rows <= bound:
+            return self
+        return dataclasses.replace(self, decoder=None, exit_mode="exit", kv_strategy=EXIT_KNOBS["kv_strategy"])
+
     @property
     def exits(self) -> bool:
         """Whether any part has a controller, i.e. may exit early."""
@@ -461,13 +470,12 @@ class EarlyExitGenerationMixin(GenerationMixin):
                 streamer=None, **model_kwargs):  # fmt: skip
         settings = model_kwargs.get("exit_settings")
         speculative = settings is not None and settings.exit_mode == "speculative"
-        bound = None if settings is None else settings.draft_max_batch_size
-        if speculative and (bound is None or input_ids.shape[0] <= bound):
+        if speculative:  # with too many rows for drafts to pay, the full model decodes: the output drafts would give
+            model_kwargs["exit_settings"] = settings = settings.for_rows(input_ids.shape[0])
+        if settings is not None and settings.exit_mode == "speculative":
             return self._speculative_sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
             )
-        if speculative:  # too many rows for drafts to pay: the full model decodes, which gives the output drafts would
-            model_kwargs["exit_settings"] = dataclasses.replace(settings, decoder=None, exit_mode="exit")
         cache = getattr(model_kwargs.get("past_key_values"), "self_attention_cache", None)
         cache = cache if isinstance(cache, EarlyExitCache) else None
         stopping_criteria = RecordedStops(stopping_criteria, model_kwargs.get("exit_layer_log"), cache)
@@ -561,7 +569,9 @@ class EarlyExitGenerationMixin(GenerationMixin):
                     "aligned when tokens exit early. Drop `cache_implementation`, or the decoder exit knobs."
                 )
             if implementation in (None, "dynamic"):
-                model_kwargs["past_key_values"] = new_cache(self.config, settings)
+                rows = max(generation_config.num_beams, generation_config.num_return_sequences) * batch_size
+                decoding = None if settings is None else settings.for_rows(rows)
+                model_kwargs["past_key_values"] = new_cache(self.config, decoding)
                 return
         super()._prepare_cache_for_generation(
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length

@@ -181,11 +181,15 @@ def test_each_row_sees_its_own_step_as_rows_advance_apart(model):
 
 def test_a_call_with_more_rows_than_draft_max_batch_size_decodes_in_full(model):
     inputs = mixed_lengths(4, seed=2)
-    expected = full_greedy(model, inputs)
+    full = full_greedy(model, inputs, return_dict_in_generate=True)
+    expected, full_strategy = full.sequences, full.past_key_values.self_attention_cache.kv_strategy
     for limit, drafts in ((3, False), (4, True)):
         out = speculative(model, inputs, FixedLayerExit(1), num_assistant_tokens=4, draft_max_batch_size=limit)
         assert torch.equal(out.sequences, expected), limit
         assert bool((out.drafted_tokens > 0).any()) == drafts, limit
+        # Without drafts, the full model's cache too (a `recompute` one costs time even where nothing exits).
+        strategy = out.past_key_values.self_attention_cache.kv_strategy
+        assert strategy == ("recompute" if drafts else full_strategy), limit
     assert not bool(out.speculative_rounds.eq(0).any())
     limited = speculative(model, inputs, FixedLayerExit(1), draft_max_batch_size=2)
     assert set(limited.exit_layers.unique().tolist()) == {DEPTH}  # every token the full model's own
