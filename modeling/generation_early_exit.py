@@ -472,10 +472,10 @@ class EarlyExitGenerationMixin(GenerationMixin):
         speculative = settings is not None and settings.exit_mode == "speculative"
         if speculative:  # with too many rows for drafts to pay, the full model decodes: the output drafts would give
             model_kwargs["exit_settings"] = settings = settings.for_rows(input_ids.shape[0])
-        if settings is not None and settings.exit_mode == "speculative":
-            return self._speculative_sample(
-                input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
-            )
+            if settings.exit_mode == "speculative":
+                return self._speculative_sample(
+                    input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
+                )
         cache = getattr(model_kwargs.get("past_key_values"), "self_attention_cache", None)
         cache = cache if isinstance(cache, EarlyExitCache) else None
         stopping_criteria = RecordedStops(stopping_criteria, model_kwargs.get("exit_layer_log"), cache)
