@@ -126,7 +126,8 @@ class SkippedSlots:
     exit_outputs [batch, q, d]: the output of each early-stopped row's last layer. shallowest: the fewest layers a row
     ran when the step was recorded, i.e. the first layer index with an empty slot (a beam reordering can only raise
     it). project: the decoder's K/V of exited states per layer. ran: `layers_run` on the host, until a batch operation
-    moves its rows (reading it again is a device sync on a GPU).
+    moves its rows (reading it again is a device sync on a GPU). grad: whether the step ran with grad, as its fill
+    does, whoever calls it.
     """
 
     slots: slice
@@ -135,6 +136,7 @@ class SkippedSlots:
     shallowest: int
     project: Callable[[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
     ran: list[int] | None = None
+    grad: bool = False
 
 
 class EarlyExitCache(DynamicCache):
@@ -254,7 +256,9 @@ class EarlyExitCache(DynamicCache):
             self.pending[rows, slots] = exit_outputs[rows].to(self.pending.dtype)
             self.waiting_layers.update(ran[row] for row in exited)
             return
-        self.skipped.append(SkippedSlots(slots, layers_run, exit_outputs, shallowest, project, ran))
+        self.skipped.append(
+            SkippedSlots(slots, layers_run, exit_outputs, shallowest, project, ran, torch.is_grad_enabled())
+        )
 
     def fill_skipped(self, layer_idx: int | None = None) -> None:
         """`propagate` / `copy`: fill the recorded steps that left layer `layer_idx` empty for a row, each in all the
@@ -266,7 +270,8 @@ class EarlyExitCache(DynamicCache):
         if due:
             self.skipped = waiting
             for step in due:
-                self.fill_step(step)
+                with torch.set_grad_enabled(step.grad):
+                    self.fill_step(step)
 
     def fill_step(self, step: SkippedSlots) -> None:
         """Fill one step's empty slots: one projection (propagate) or one copy per exit depth and skipped layer,

@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from hf_earlyexit.modeling import modeling_ofa
 from hf_earlyexit.modeling.early_exit_cache import EarlyExitCache
 from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, ExitController, FixedLayerExit, PatienceExit
 from hf_earlyexit.modeling.exit_knobs import KV_STRATEGIES, NO_EXIT
@@ -162,7 +163,11 @@ def test_recompute_completes_every_layer_like_a_full_depth_pass(model):
         )
 
 
-def test_propagate_fills_skipped_layers_with_their_projections_of_the_exited_state(model):
+@pytest.mark.parametrize("stacked", [True, False])
+def test_propagate_fills_skipped_layers_with_their_projections_of_the_exited_state(model, stacked, monkeypatch):
+    """Filled here outside `no_grad`, as the steps were not: without grad, as they ran, stacked or layer by layer."""
+    if not stacked:
+        monkeypatch.setattr(modeling_ofa, "CPU_STACK_MAX_ELEMENTS", 0)
     inputs = batch_of(4)
     settings = EarlyExitSettings(decoder=FixedLayerExit(1), kv_strategy="propagate")
     tokens, cache = decode_with_cache(model, inputs, settings)
@@ -452,12 +457,43 @@ def test_filling_skipped_slots_late_changes_no_output_under_beam_reordering(mode
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
+def test_propagate_folds_once_per_call_and_only_when_a_later_token_reads_a_skipped_layer(model, monkeypatch):
+    """Folding copies every layer's projections: a call pays for it at its first fill, and a call with none never."""
+    folds: list[int] = []
+    fold = OFADecoder.folded_key_value_projections
+    monkeypatch.setattr(OFADecoder, "folded_key_value_projections", lambda decoder: folds.append(1) or fold(decoder))
+    shallower = FixedLayerExit(lambda state: torch.full_like(state.rows, max(1, 3 - state.step)))  # 3, 2, 1, 1, ...
+    generate(model, batch_of(2), "greedy", exit_controller=shallower, kv_strategy="propagate")
+    assert folds == []
+    alternating = FixedLayerExit(lambda state: torch.full_like(state.rows, 1 + state.step % 2))  # 1, 2, 1, 2, ...
+    generate(model, batch_of(2), "greedy", exit_controller=alternating, kv_strategy="propagate")
+    assert folds == [1]  # three fills, one fold
+
+
+def test_projections_too_large_to_stack_on_a_cpu_run_layer_by_layer_with_the_same_outputs(model, monkeypatch):
+    """Past `CPU_STACK_MAX_ELEMENTS` the cross-attention K/V and `propagate`'s fills are projected layer by layer:
+    the same tokens, and scores within rounding, for the full model and for exits."""
+    inputs = batch_of(4)
+    runs = {"full": {}, "exits": dict(exit_controller=mixed_exits(), kv_strategy="propagate")}
+    stacked = {name: generate(model, inputs, "greedy", **knobs) for name, knobs in runs.items()}
+    monkeypatch.setattr(modeling_ofa, "CPU_STACK_MAX_ELEMENTS", 0)
+    assert model.decoder.folded_key_value_projections() is None
+    assert model.decoder.cross_key_value_projections() is None
+    for name, knobs in runs.items():
+        out = generate(model, inputs, "greedy", **knobs)
+        assert torch.equal(out.sequences, stacked[name].sequences), name
+        assert torch.equal(out.exit_layers, stacked[name].exit_layers), name
+        for ours, theirs in zip(out.scores, stacked[name].scores, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
 def test_propagate_folds_each_layers_layer_norm_into_its_projections(model):
+    assert model.decoder.folded_key_value_projections() is not None  # the tiny model's weights are stacked
     states = torch.randn(3, 2, model.config.d_model, generator=torch.Generator().manual_seed(0))
     norm = model.decoder.layers[2].self_attn_layer_norm
     with torch.no_grad():
         norm.weight.mul_(2.0), norm.bias.add_(0.5)  # an affine that is not the identity
-        folded = model.decoder.skipped_key_values(1, states, model.decoder.folded_key_value_projections())
+        folded = model.decoder.skipped_key_values(1, states, model.decoder.folded_key_value_projections)
         expected = model.decoder.skipped_key_values(1, states)
         norm.weight.div_(2.0), norm.bias.sub_(0.5)
     assert len(folded) == len(expected) == DEPTH - 1
