@@ -334,10 +334,20 @@ def check_no_misspelt_knob(source: Any, where: str) -> None:
 
 def check_not_misspelt(names: Iterable[str], where: str) -> None:
     """A name almost like a knob's (`exit_treshold`) among `names` is a ValueError: it would be ignored."""
-    for name in sorted(set(names) - EXIT_KNOBS.keys()):
+    found = misspelt_knob(frozenset(names).difference(EXIT_KNOBS))
+    if found is not None:
+        raise ValueError(f"{where} `{found[0]}`, which is no early-exit knob: did you mean `{found[1]}`?")
+
+
+@functools.lru_cache(maxsize=256)
+def misspelt_knob(names: frozenset[str]) -> tuple[str, str] | None:
+    """The first of `names` almost like a knob's, and that knob. Remembered: every `generate` call checks its configs'
+    names, which rarely change, and `difflib` over them cost about 0.1 ms a call."""
+    for name in sorted(names):
         close = difflib.get_close_matches(name, EXIT_KNOBS, n=1, cutoff=0.8)
         if close:
-            raise ValueError(f"{where} `{name}`, which is no early-exit knob: did you mean `{close[0]}`?")
+            return name, close[0]
+    return None
 
 
 @functools.cache
