@@ -72,6 +72,17 @@ def position_ids_from_mask(attention_mask: torch.Tensor | None, length: int, dev
     return (positions - leading_pads).clamp(min=0)
 
 
+def causal_mask(query_slots: slice | torch.Tensor, length: int, device: torch.device) -> torch.Tensor | None:
+    """[q, length]: True at the key slots after each query's slot (`query_slots` a slice, or [q]), which also hides a
+    static cache's slots not yet written; None where no key lies after a query (a step's one token at the last
+    slot)."""
+    if isinstance(query_slots, slice):
+        if length <= query_slots.start + 1:
+            return None
+        query_slots = torch.arange(query_slots.start, query_slots.stop, device=device)
+    return torch.arange(length, device=device)[None, :] > query_slots[:, None]
+
+
 def cache_span(self_cache: Cache | None, query_length: int) -> tuple[int | torch.Tensor, int]:
     """The tokens before a step's queries (`past`) and the key slots they attend (`length`). A cache that grows
     holds past + q keys; a `StaticCache` always its whole length, and it counts its past in a device tensor, so that
@@ -1287,17 +1298,18 @@ class OFADecoder(nn.Module):
 
     def table_attention_biases(
         self,
-        query_slots: torch.Tensor,
+        query_slots: slice | torch.Tensor,
         length: int,
         encoder_outputs: OFAEncoderOutput,
         table: DecoderPositionTable,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`attention_biases` of new tokens at `query_slots` [q] of `length` key slots, read from the
-        `position_table`: sliced for rows at positions 0, 1, ... (`position_ids` None; then the first two tensors
-        have a batch of 1), gathered at each row's `position_ids` [batch, length] otherwise (a decoder mask, or a
-        speculative batch's rows skipping their rejected drafts), with the `attention_mask` [batch, length]."""
+        """`attention_biases` of new tokens at `query_slots` (a slice, or [q] on the device) of `length` key slots,
+        read from the `position_table`: sliced for rows at positions 0, 1, ... (`position_ids` None; then the first
+        two tensors have a batch of 1), gathered at each row's `position_ids` [batch, length] otherwise (a decoder
+        mask, or a speculative batch's rows skipping their rejected drafts), with the `attention_mask` [batch,
+        length]."""
         if position_ids is None:
             queries, keys = table.self_queries[None, :, query_slots], table.self_keys[None, :, :length]
             cross_queries, buckets = (
@@ -1313,11 +1325,12 @@ class OFADecoder(nn.Module):
             cross_queries = table.cross_queries[:, query_ids].transpose(0, 1)  # [batch, heads, q, head_dim]
             buckets = table.buckets[query_ids[:, :, None], position_ids[:, None, :]]
         self_absolute = torch.matmul(queries, keys.transpose(-1, -2))  # [batch or 1, heads, q, T]
-        # The causal mask, which also hides a static cache's slots not yet written.
-        masked = torch.arange(length, device=query_slots.device)[None, :] > query_slots[:, None]  # [q, T]
+        masked = causal_mask(query_slots, length, self_absolute.device)
         if attention_mask is not None:
-            masked = masked | attention_mask.eq(0)[:, None, None, :]
-        self_absolute = self_absolute.masked_fill(masked, torch.finfo(self_absolute.dtype).min)
+            padding = attention_mask.eq(0)[:, None, None, :]
+            masked = padding if masked is None else masked | padding
+        if masked is not None:
+            self_absolute = self_absolute.masked_fill(masked, torch.finfo(self_absolute.dtype).min)
         cross_bias = torch.matmul(cross_queries, self.cross_position_keys(encoder_outputs).transpose(-1, -2))
         padding = encoder_outputs.padding_mask[:, None, None, :]
         cross_bias = cross_bias.masked_fill(padding, torch.finfo(cross_bias.dtype).min)  # [batch, heads, q, S]
@@ -1646,7 +1659,9 @@ class OFADecoder(nn.Module):
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask, length, device)  # [batch or 1, length]
         positions = None  # LayerNorm'd position embeddings: read by the computed biases and `recompute`'s catch-up
-        query_slots = past + torch.arange(query, device=device)
+        # Slots the host knows are sliced, not gathered (a `StaticCache` holds its length on the device).
+        host = isinstance(past, int)
+        query_slots = slice(past, past + query) if host and from_table else past + torch.arange(query, device=device)
         if from_table:
             table = self.call_position_table(self_cache, length, device)
             gathered = None if unmasked else position_ids.expand(len(encoder_outputs.last_hidden_state), -1)

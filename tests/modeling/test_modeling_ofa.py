@@ -12,7 +12,12 @@ from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfi
 from hf_earlyexit.convert import clean_state_dict, infer_config, load_converted_model
 from hf_earlyexit.modeling.early_exit_cache import EarlyExitCache
 from hf_earlyexit.modeling.exit_controllers import FixedLayerExit
-from hf_earlyexit.modeling.modeling_ofa import image_relative_buckets, shift_tokens_right, token_relative_buckets
+from hf_earlyexit.modeling.modeling_ofa import (
+    causal_mask,
+    image_relative_buckets,
+    shift_tokens_right,
+    token_relative_buckets,
+)
 from tests.helpers import tiny_inputs, tiny_model
 
 
@@ -260,6 +265,16 @@ def test_decoding_from_the_position_table_equals_the_per_step_biases():
         torch.testing.assert_close(table, steps(True, None), atol=1e-5, rtol=1e-5)
         holes = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 0, 1]])
         torch.testing.assert_close(steps(False, holes), steps(True, holes), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("start", "stop", "length"), [(4, 5, 5), (2, 5, 5), (4, 5, 9), (0, 1, 1)])
+def test_the_causal_mask_of_slots_known_on_the_host_is_the_devices_or_none_where_it_hides_nothing(start, stop, length):
+    on_device = causal_mask(torch.arange(start, stop), length, torch.device("cpu"))
+    on_host = causal_mask(slice(start, stop), length, torch.device("cpu"))
+    if on_host is None:  # one query at the last slot (a decoding step's): no key after it
+        assert not bool(on_device.any())
+    else:
+        assert torch.equal(on_host, on_device) and bool(on_host.any())
 
 
 def test_position_terms_of_several_steps_narrow_to_each_steps_own():
