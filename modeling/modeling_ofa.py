@@ -73,14 +73,14 @@ def position_ids_from_mask(attention_mask: torch.Tensor | None, length: int, dev
 
 
 def causal_mask(query_slots: slice | torch.Tensor, length: int, device: torch.device) -> torch.Tensor | None:
-    """[q, length]: True at the key slots after each query's slot (`query_slots` a slice, or [q]), which also hides a
-    static cache's slots not yet written; None where no key lies after a query (a step's one token at the last
-    slot)."""
+    """[..., q, length]: True at the key slots after each query's slot (`query_slots` a slice, or [..., q]), which
+    also hides a static cache's slots not yet written; None where no key lies after a query (a step's one token at
+    the last slot)."""
     if isinstance(query_slots, slice):
         if length <= query_slots.start + 1:
             return None
         query_slots = torch.arange(query_slots.start, query_slots.stop, device=device)
-    return torch.arange(length, device=device)[None, :] > query_slots[:, None]
+    return torch.arange(length, device=device) > query_slots[..., None]
 
 
 def cache_span(self_cache: Cache | None, query_length: int) -> tuple[int | torch.Tensor, int]:
@@ -1247,8 +1247,7 @@ class OFADecoder(nn.Module):
         self_absolute = position_bias(
             self.self_pos_q_linear, self.self_pos_k_linear, query_positions, positions, self.num_heads, self.pos_scaling
         )
-        keys = torch.arange(positions.shape[1], device=positions.device)
-        masked = (keys[None, None, :] > query_slots[:, :, None])[:, None]  # causal: [R or 1, 1, Q, T]
+        masked = causal_mask(query_slots, positions.shape[1], positions.device)[:, None]  # [R or 1, 1, Q, T]
         if attention_mask is not None:
             masked = masked | attention_mask.eq(0)[:, None, None, :]
         # Masked once here; the relative biases added per layer keep them at ~finfo.min.
@@ -1660,8 +1659,8 @@ class OFADecoder(nn.Module):
             position_ids = position_ids_from_mask(attention_mask, length, device)  # [batch or 1, length]
         positions = None  # LayerNorm'd position embeddings: read by the computed biases and `recompute`'s catch-up
         # Slots the host knows are sliced, not gathered (a `StaticCache` holds its length on the device).
-        host = isinstance(past, int)
-        query_slots = slice(past, past + query) if host and from_table else past + torch.arange(query, device=device)
+        on_host = from_table and isinstance(past, int)
+        query_slots = slice(past, past + query) if on_host else past + torch.arange(query, device=device)
         if from_table:
             table = self.call_position_table(self_cache, length, device)
             gathered = None if unmasked else position_ids.expand(len(encoder_outputs.last_hidden_state), -1)
