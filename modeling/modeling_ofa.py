@@ -1715,10 +1715,11 @@ class OFADecoder(nn.Module):
         """The tokens generated before this step's (`tokens` [batch, q]), after the decoder prompt: by slot, one count
         for the batch; in speculative mode at batch > 1, per row (LongTensor[batch]), since rows skip the slots of
         their rejected drafts and stand at their own steps (`position_ids` count a row's real tokens). At batch 1
-        speculative mode crops every rejected slot, so slots count."""
+        speculative mode crops every rejected slot, so slots count, unless the row is what remains of a larger
+        batch (its finished rows left the decoder's batch) and skips holes (`position_ids` given)."""
         prompt, batch = exit_settings.prompt_length, tokens.shape[0]
         steps = max(past + 1 - prompt, 0)
-        if exit_settings.exit_mode != "speculative" or batch == 1:
+        if exit_settings.exit_mode != "speculative" or (batch == 1 and position_ids is None):
             return steps
         if position_ids is None or not 1 <= prompt <= past:  # no row skipped a slot yet
             return torch.full((batch,), steps, dtype=torch.long, device=tokens.device)

@@ -82,6 +82,39 @@ def test_rows_that_finish_early_stop_where_the_full_model_does(model):
     assert torch.equal(fallback.sequences, expected) and torch.equal(fallback.exit_layers, full.exit_layers)
 
 
+class RowLayers(FixedLayerExit):
+    """Each row drafts from its own layer; notes how many rows the decoder ran at each step's first question."""
+
+    def __init__(self, layers: list[int]):
+        table = torch.tensor(layers)
+        super().__init__(lambda state: table[state.rows])
+        self.decoder_rows: list[int] = []
+
+    def __call__(self, state):
+        if state.layer == 1:
+            self.decoder_rows.append(state.hidden_states.shape[0])
+        return super().__call__(state)
+
+
+def test_finished_rows_leave_the_decoders_batch_and_each_row_keeps_its_own_exit(model):
+    """A row that ended stops riding along in later rounds; the drafts' controller still sees the call's rows, so a
+    per-row exit stays with its row after the batch shrank, and the output is the full model's."""
+    inputs = mixed_lengths(4, seed=3)
+    common = full_greedy(model, inputs)[:, 3].mode().values.item()  # a token several rows emit: their end
+    expected = full_greedy(model, inputs, eos_token_id=common)
+    layers = [1, 2, 3, 1]
+    controller = RowLayers(layers)
+    out = speculative(model, inputs, controller, num_assistant_tokens=3, eos_token_id=common)
+    assert torch.equal(out.sequences, expected)
+    assert controller.decoder_rows[0] == 4 and min(controller.decoder_rows) < 4
+    for row, layer in enumerate(layers):
+        emitted = out.exit_layers[row][out.exit_layers[row] > 0]
+        assert set(emitted.tolist()) <= {layer, DEPTH}, row
+    # A row that drafted on after others had left, at another place in the decoder's batch, had its drafts accepted.
+    outlived = out.speculative_rounds > out.speculative_rounds.min()
+    assert bool((outlived & out.accepted_tokens.gt(0)).any())
+
+
 def test_speculative_mode_continues_from_the_sequences_not_from_a_cache(model):
     inputs = mixed_lengths(2, seed=2)
     with torch.no_grad():
