@@ -9,17 +9,23 @@ lowest ids up to `--vocabulary-size`: what a list of a task's most frequent refe
 (`hf-earlyexit calibrate --exit-mode speculative --draft-vocabulary-size N`), whose coverage the printed acceptance
 reflects.
 
+With `--ends-apart`, each row ends after its own number of new tokens (drawn from 6 to `--new-tokens`, seeded), as
+answers and captions of a batch do: a row that has ended leaves speculative mode's decoder batch, while the full
+model's loop runs it on to the longest row's end.
+
     python examples/speculative_ofa_base.py [--batch-sizes 1,8,16] [--damping 0.1] [--vocabulary-size 4096]
+                                            [--new-tokens 16] [--ends-apart]
 
 Prints one JSON object: per batch size, milliseconds per new token of the full model, of speculative mode and of
-speculative mode with the draft vocabulary (paired round by round, medians), their speedups over the full model,
-the share of drafts accepted, and whether each gave the full model's tokens.
+speculative mode with the draft vocabulary (paired round by round, medians), their
+speedups over the full model, the share of drafts accepted, and whether each gave the full model's tokens.
 """
 
 import argparse
 import json
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
 from hf_earlyexit.benchmark import random_inputs, round_seconds
@@ -37,19 +43,35 @@ def damped(model: EarlyExitOFAForConditionalGeneration, damping: float) -> Early
     return model
 
 
+class RowLengths(StoppingCriteria):
+    """Row r ends once it has `lengths[r]` new tokens after the decoder's `start` tokens."""
+
+    def __init__(self, lengths: list[int], start: int = 1):
+        self.lengths, self.start = torch.tensor(lengths), start
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.BoolTensor:
+        return input_ids.shape[1] - self.start >= self.lengths.to(input_ids.device)
+
+
 def measure(model, batch: int, args: argparse.Namespace) -> dict:
     inputs = random_inputs(model.config, batch, args.image_size, model.device, model.dtype)
     with torch.no_grad():
         encoder_outputs = model.get_encoder()(**inputs)
+    if args.ends_apart:
+        seeded = torch.Generator().manual_seed(batch)
+        lengths = torch.randint(min(6, args.new_tokens), args.new_tokens + 1, (batch,), generator=seeded)
+        ends = dict(stopping_criteria=StoppingCriteriaList([RowLengths(lengths.tolist())]))
+    else:
+        ends = dict(min_new_tokens=args.new_tokens)
 
     def decode(**knobs):
         return model.generate(
             encoder_outputs=encoder_outputs,
             attention_mask=inputs["attention_mask"],
             max_new_tokens=args.new_tokens,
-            min_new_tokens=args.new_tokens,
             do_sample=False,
             return_dict_in_generate=True,
+            **ends,
             **knobs,
         )
 
@@ -94,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ends-apart", action="store_true", help="each row ends after its own number of tokens")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -103,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         "draft": "FixedLayerExit(1)",
         "draft_tokens": args.draft_tokens,
         "new_tokens": args.new_tokens,
+        "ends_apart": args.ends_apart,
         "threads": args.threads,
         "batches": {f"batch_{size}": measure(model.eval(), int(size), args) for size in args.batch_sizes.split(",")},
     }

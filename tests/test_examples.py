@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModel
 
 from hf_earlyexit.modeling.exit_knobs import resolve_knobs
@@ -113,3 +114,16 @@ def test_speculative_speed_at_ofa_base_size_prints_each_modes_timing_and_the_ful
         for mode in ("speculative", "draft_vocabulary"):
             assert batch[mode]["same_outputs_as_full"] and batch[mode]["acceptance_rate"] > 0.5
     assert report["batches"]["batch_2"]["draft_vocabulary"]["size"] <= 64
+
+
+def test_speculative_speed_at_ofa_base_size_with_rows_that_end_apart(capsys):
+    script = runpy.run_path(str(EXAMPLES / "speculative_ofa_base.py"))
+    report = script["main"](["--preset", "tiny", "--repeats", "1", "--batch-sizes", "4", "--new-tokens", "8",
+                             "--vocabulary-size", "64", "--ends-apart"])  # fmt: skip
+    capsys.readouterr()
+    batch = report["batches"]["batch_4"]
+    assert report["ends_apart"] and batch["speculative"]["same_outputs_as_full"]
+    assert batch["draft_vocabulary"]["same_outputs_as_full"]
+    lengths = script["RowLengths"]([2, 5])
+    ended = lengths(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 3))
+    assert ended.tolist() == [True, False]
