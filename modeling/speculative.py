@@ -225,6 +225,7 @@ class LiveRows:
         self.index: torch.Tensor | None = None  # None while every row is live: no gathers
 
     def keep(self, rows: list[int], device: torch.device) -> None:
+        """From now on the decoder runs on the call's `rows` (ascending)."""
         self.rows = rows
         self.index = torch.tensor(rows, device=device)
 
@@ -445,10 +446,11 @@ class SpeculativeDecoding:
 
     def keep_rows(self, rows: list[int]) -> None:
         """The decoder's batch from now on: the call's `rows` (ascending), those still generating. The others leave,
-        their cache set aside for `rejoin`: at this model's size a layer costs more with more rows, and a finished
-        row would ride along every later round, a 35-40% of the rows of a round at batch 8-16 on captions."""
+        their cache set aside for `rejoin`: a layer costs more with more rows, and a finished row would ride along
+        every later round (35-40% of a call's row-rounds at batch 8-16 on the embedded model's captions)."""
         cross = self.cache.cross_attention_cache
-        # Every layer ran by now (the first verification runs them all), so every row's cross K/V are kept whole.
+        # The first verification runs every layer, so each row's cross-attention K/V are cached by now and `rejoin`
+        # puts the whole batch's back; a cache without them keeps every row.
         if len(rows) == len(self.live.rows) or not all(layer.is_initialized for layer in cross.layers):
             return
         device = self.encoder_outputs.last_hidden_state.device
