@@ -41,6 +41,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.streamers import BaseStreamer
 
 from .exit_controllers import ExitController, ExitState, checked_decision
+from .row_exits import select_rows
 
 DEFAULT_DRAFT_TOKENS = 4  # when the generation config leaves `num_assistant_tokens` unset
 # A round goes on drafting only while more than this fraction of its rows still draft: a step costs the batch about
@@ -217,7 +218,7 @@ class CappedDraft(ExitController):
 class LiveRows:
     """The rows of a call that the decoder runs on, ascending: a round's bookkeeping (tokens, logits processors,
     acceptance) keeps the whole batch, and finished rows leave the decoder's batch (`SpeculativeDecoding.keep_rows`).
-    `gather` takes the decoder's rows of a [batch, ...] tensor, `scatter` puts the decoder's [rows, ...] back."""
+    `select_rows(tensor, index)` takes the decoder's rows of a [batch, ...] tensor, `scatter` puts them back."""
 
     def __init__(self, batch: int):
         self.batch = batch
@@ -228,9 +229,6 @@ class LiveRows:
         """From now on the decoder runs on the call's `rows` (ascending)."""
         self.rows = rows
         self.index = torch.tensor(rows, device=device)
-
-    def gather(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return tensor if tensor is None or self.index is None else tensor[self.index]
 
     def scatter(self, tensor: torch.Tensor) -> torch.Tensor:
         """[rows, ...] -> [batch, ...], zeros at the rows that left."""
@@ -328,7 +326,7 @@ class SpeculativeDecoding:
 
     def round_slots(self, slots: SlotMask, start: int, count: int) -> RoundSlots:
         """The `RoundSlots` of a round that opens `count` slots from slot `start`, for the decoder's rows."""
-        mask, positions = (self.live.gather(tensor) for tensor in slots.covering(start + count))
+        mask, positions = (select_rows(tensor, self.live.index) for tensor in slots.covering(start + count))
         if positions is None and self.live.index is not None:  # rows keep a step each, also before the first hole
             positions = torch.arange(start + count, device=self.live.index.device).expand(len(self.live.rows), -1)
         biases = self.decoder.step_biases(
@@ -345,7 +343,7 @@ class SpeculativeDecoding:
         mask, positions = round_slots.covering(self.cache.get_seq_length() + 1)
         with record_function("speculative.draft"):  # where a round's time goes, under `torch.profiler`
             out = self.decoder(
-                self.live.gather(tokens)[:, None], self.encoder_outputs, mask, self.cache, settings,
+                select_rows(tokens, self.live.index)[:, None], self.encoder_outputs, mask, self.cache, settings,
                 position_ids=positions, step_biases=round_slots.biases,
             )  # fmt: skip
             hidden_states = out.last_hidden_state[:, -1]
@@ -362,8 +360,8 @@ class SpeculativeDecoding:
         mask, positions = round_slots.covering(self.cache.get_seq_length() + (tokens is not None))
         with record_function("speculative.verify"):
             self.decoder.verify(
-                None if tokens is None else self.live.gather(tokens)[:, None], self.encoder_outputs, mask, self.cache,
-                positions, round_slots.biases,
+                None if tokens is None else select_rows(tokens, self.live.index)[:, None], self.encoder_outputs, mask,
+                self.cache, positions, round_slots.biases,
             )  # fmt: skip
 
     def pick(self, scores: torch.Tensor) -> torch.Tensor:
@@ -471,7 +469,8 @@ class SpeculativeDecoding:
             self.cross_key_values = [(layer.keys, layer.values) for layer in cross.layers]
         kept = torch.tensor(positions, device=device)
         self.cache.batch_select_indices(kept)
-        tensors = {name: value[kept] for name, value in self.encoder_outputs.items() if isinstance(value, torch.Tensor)}
+        outputs = self.encoder_outputs.items()
+        tensors = {name: select_rows(value, kept) for name, value in outputs if isinstance(value, torch.Tensor)}
         # The decoder reads the tensors only; the per-layer tuples stay the caller's.
         self.encoder_outputs = dataclasses.replace(self.encoder_outputs, **tensors, hidden_states=None, attentions=None)
         self.live.keep(rows, device)
