@@ -322,6 +322,7 @@ def test_the_cache_grows_in_place_and_holds_what_a_dynamic_cache_would_through_b
     expected = [[tensor[:, :, :-2] for tensor in pair] for pair in expected]
     frontier, pending = frontier[:, :-2], pending[:, :-2]
     step(3, 1)
+    step(3, 1)  # grown in place again, over a slot the crop gave back
     beams = torch.tensor([2, 0, 0])
     cache.reorder_cache(beams)
     expected = [[tensor[beams] for tensor in pair] for pair in expected]
