@@ -95,8 +95,9 @@ def grown(
                 room = Room(torch.zeros(capacity, dtype=dtype, device=device), dim)
             if old:
                 room.buffer.narrow(dim, 0, old).copy_(tensor)
-    if old < room.used:  # slots a crop gave back: zeros again, as fresh ones are
-        room.buffer.narrow(dim, old, min(shape[dim], room.used) - old).zero_()
+    if old < room.used:  # slots a crop gave back: zeros again, as fresh ones are, all at once
+        room.buffer.narrow(dim, old, room.used - old).zero_()
+        room.used = old
     if fill:
         room.buffer.narrow(dim, old, shape[dim] - old).fill_(fill)
     room.used = max(room.used, shape[dim])
