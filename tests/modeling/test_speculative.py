@@ -42,7 +42,7 @@ CONTROLLERS = {
 
 def full_greedy(model, inputs, **kwargs):
     with torch.no_grad():
-        return model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, **NO_EXIT, **kwargs)
+        return model.generate(**inputs, **{"max_new_tokens": NEW_TOKENS, "do_sample": False, **NO_EXIT, **kwargs})
 
 
 def speculative(model, inputs, controller, **kwargs):
@@ -113,6 +113,26 @@ def test_finished_rows_leave_the_decoders_batch_and_each_row_keeps_its_own_exit(
     # A row that drafted on after others had left, at another place in the decoder's batch, had its drafts accepted.
     outlived = out.speculative_rounds > out.speculative_rounds.min()
     assert bool((outlived & out.accepted_tokens.gt(0)).any())
+
+
+@pytest.mark.parametrize("new_tokens", [NEW_TOKENS, 4])
+def test_a_round_drafts_on_past_rows_that_ended_while_the_others_have_room(model, new_tokens):
+    """Row 0 drafts at full depth, so its first draft is the full model's token, here its end; row 1 drafts from the
+    first layer. With room for more than a round, row 1 drafts all k tokens of that round; within a round of the
+    length limit, the round ends with row 0's end, as it would for a short answer."""
+    inputs = mixed_lengths(2, seed=5)
+    end = int(full_greedy(model, inputs)[0, 1])  # row 0's first new token
+    expected = full_greedy(model, inputs, eos_token_id=end, max_new_tokens=new_tokens)
+    assert end not in expected[1, 1:4].tolist()  # row 1 goes on past the first round
+    controller = RowLayers([DEPTH, 1])
+    with torch.no_grad():
+        out = model.generate(
+            **inputs, max_new_tokens=new_tokens, exit_mode="speculative", exit_controller=controller,
+            num_assistant_tokens=4, eos_token_id=end, return_dict_in_generate=True, do_sample=False,
+        )  # fmt: skip
+    assert torch.equal(out.sequences, expected)
+    first_round = controller.decoder_rows.count(2)  # the draft steps before row 0 left the decoder's batch
+    assert first_round == (4 if new_tokens - 1 > 4 else 1)
 
 
 def test_speculative_mode_continues_from_the_sequences_not_from_a_cache(model):
