@@ -48,7 +48,7 @@ DEFAULT_DRAFT_TOKENS = 4  # when the generation config leaves `num_assistant_tok
 # what it costs one row, so the rows that stopped would ride along. Measured on the embedded model's captions at
 # batch 8 and 16: 0.7x the full model when rounds ran until every row stopped, 0.9x with this rule. Rows whose drafts
 # ended (an end token, the length limit) leave the count while every row still drafting has room for more than a
-# round: a longer round then saves later ones (captions at batch 16: 43 rounds instead of 56, 1.04-1.09x the time),
+# round: a longer round then saves later ones (captions at batch 16: 43 rounds instead of 56, 1.04-1.09x as fast),
 # whereas rows that will end within a round anyway (short answers) would only draft more.
 ROUND_GOES_ON = 0.9
 
