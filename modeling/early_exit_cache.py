@@ -401,7 +401,9 @@ class EarlyExitCache(DynamicCache):
         if self.ended is not None:
             self.ended = function(self.ended)
 
-    def _rows_mapped(self, key: object, tensor: torch.Tensor, function: Callable[[torch.Tensor], torch.Tensor]):
+    def _rows_mapped(
+        self, key: object, tensor: torch.Tensor, function: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         """`function(tensor)`; applied to the whole buffer where `tensor` is its room's last view, so that the next step
         still grows in place: a new buffer per tensor after each beam reordering or batch selection cost a step ten
         times its usual `open_slots` on a CPU."""
