@@ -452,9 +452,9 @@ class SpeculativeDecoding:
         """Whether a round of `rows` rows drafts another step, after `drafted` steps: while more than `ROUND_GOES_ON`
         of them still draft (`drafting`), the `ended` rows whose drafts ended uncounted while every row drafting has
         room for more than k further tokens."""
-        room = min((self.max_length - tokens.lengths[row] - drafted for row in drafting), default=0)
-        counted = rows - ended if room > k else rows
-        return len(drafting) > ROUND_GOES_ON * counted
+        if ended and min((self.max_length - tokens.lengths[row] - drafted for row in drafting), default=0) > k:
+            rows -= ended
+        return len(drafting) > ROUND_GOES_ON * rows
 
     def keep_rows(self, rows: list[int]) -> None:
         """The decoder's batch from now on: the call's `rows` (ascending), those still generating. The others leave,
