@@ -1,5 +1,6 @@
 """Early exit in the model and in `generate`: invariants, the KV strategies, encoder exits, knobs and bad input."""
 
+import random
 import re
 
 import numpy as np
@@ -536,6 +537,33 @@ def test_keep_and_compact_give_the_same_tokens_with_exact_keys_and_values(model,
     assert torch.equal(outs["keep"].exit_layers, outs["compact"].exit_layers)
     for kept, compacted in zip(outs["keep"].scores, outs["compact"].scores, strict=True):
         torch.testing.assert_close(kept, compacted, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_keep_and_compact_agree_on_random_combinations(model, seed):
+    """The same invariant over features combined at random: batch and padding, greedy or beams with several
+    returned sequences, rows that end apart, encoder exits, `min_exit_layer`, and exits keyed by row and step."""
+    rng = random.Random(seed)
+    inputs = tiny_inputs(batch=rng.randint(1, 5), text_length=rng.randint(4, 9), seed=seed, pad_last=rng.randint(0, 3))
+    beams = rng.choice([1, 2, 3])
+    options = {"max_new_tokens": rng.randint(1, 10), "num_beams": beams, "num_return_sequences": rng.randint(1, beams)}
+    if rng.random() < 0.5:  # a token the full model emits somewhere: rows end apart
+        with torch.no_grad():
+            tokens = model.generate(**inputs, max_new_tokens=5, do_sample=False, **NO_EXIT)[:, 1:].flatten().tolist()
+        options["eos_token_id"] = rng.choice(tokens)
+    controllers = {"decoder": mixed_exits(offset=rng.randint(0, DEPTH - 1))}
+    if rng.random() < 0.5:
+        shift = rng.randint(0, 2)
+        controllers["encoder"] = FixedLayerExit(lambda state: (state.rows + shift) % 3 + 1)
+    knobs = dict(exit_controller=controllers, kv_strategy="recompute", min_exit_layer=rng.randint(1, DEPTH - 1))
+    with torch.no_grad():
+        keep, compact = (
+            model.generate(**inputs, **options, **knobs, row_exit=plan, do_sample=False, return_dict_in_generate=True)
+            for plan in ("keep", "compact")
+        )
+    assert torch.equal(keep.sequences, compact.sequences), options
+    assert torch.equal(keep.exit_layers, compact.exit_layers)
+    assert torch.equal(keep.encoder_exit_layers, compact.encoder_exit_layers)
 
 
 def test_kept_rows_run_as_deep_as_the_batch_and_compacted_rows_stop(model):

@@ -1,6 +1,8 @@
 """Speculative mode (`exit_mode="speculative"`): the exits draft, the skipped layers verify, and the output is the
 full model's: token for token when greedy, in distribution when sampling, at any batch size."""
 
+import random
+
 import pytest
 import torch
 from transformers import AutoModel, AutoProcessor, GenerationConfig, LogitsProcessor, StoppingCriteria
@@ -49,11 +51,10 @@ def speculative(model, inputs, controller, **kwargs):
     with torch.no_grad():
         return model.generate(
             **inputs,
-            max_new_tokens=NEW_TOKENS,
             exit_mode="speculative",
             exit_controller=controller,
             return_dict_in_generate=True,
-            **kwargs,
+            **{"max_new_tokens": NEW_TOKENS, **kwargs},
         )
 
 
@@ -504,6 +505,46 @@ def test_padded_decoder_prompts_give_the_full_models_tokens(model, side):
     for policy in ("fixed", "confidence"):
         out = speculative(model, {**inputs, **padded}, CONTROLLERS[policy](), num_assistant_tokens=4)
         assert torch.equal(out.sequences, expected), policy
+
+
+def random_combination(model, seed: int) -> tuple[dict, dict, dict]:
+    """Inputs, decoding options and draft settings that combine features at random: padded image-text prompts and
+    decoder prompts, rows that end apart, prefix-reading processors, a draft vocabulary, the heuristic schedule."""
+    rng = random.Random(seed)
+    batch = rng.randint(1, 6)
+    inputs = tiny_inputs(batch=batch, text_length=rng.randint(4, 9), seed=seed, pad_last=rng.randint(0, 3))
+    if rng.random() < 0.5:
+        width = rng.randint(2, 4)
+        prompts = [[0] + [rng.randrange(3, 120) for _ in range(rng.randint(0, width - 1))] for _ in range(batch)]
+        left = rng.random() < 0.5
+        inputs["decoder_input_ids"] = torch.tensor(
+            [[1] * (width - len(p)) + p if left else p + [1] * (width - len(p)) for p in prompts]
+        )
+        inputs["decoder_attention_mask"] = (
+            torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]
+            if left
+            else torch.arange(width)[None] < torch.tensor([len(p) for p in prompts])[:, None]
+        ).long()
+    options = {"max_new_tokens": rng.randint(1, 12)}
+    if rng.random() < 0.6:  # a token the full model emits somewhere: rows end apart
+        tokens = full_greedy(model, inputs, max_new_tokens=6)[:, 1:].flatten().tolist()
+        options["eos_token_id"] = rng.choice(tokens)
+    options |= rng.choice([{}, {"repetition_penalty": 1.5}, {"no_repeat_ngram_size": 2}, {"min_new_tokens": 3}])
+    drafts = {"num_assistant_tokens": rng.randint(1, 8)}
+    if rng.random() < 0.4:
+        drafts["num_assistant_tokens_schedule"] = "heuristic"
+    if rng.random() < 0.4:
+        drafts["draft_vocabulary"] = sorted(rng.sample(range(model.config.vocab_size), rng.randint(3, 60)))
+    return inputs, options, drafts
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("policy", sorted(CONTROLLERS))
+def test_random_combinations_of_features_give_the_full_models_tokens(model, seed, policy):
+    inputs, options, drafts = random_combination(model, seed)
+    expected = full_greedy(model, inputs, **options)
+    out = speculative(model, inputs, CONTROLLERS[policy](), do_sample=False, **{**options, **drafts})
+    assert torch.equal(out.sequences, expected), (options, drafts)
 
 
 def test_stopping_criteria_that_key_on_the_rows_index_see_the_whole_batch(model):
