@@ -257,12 +257,16 @@ class RowExits:
             self._waiting_rows = [True] * batch  # no row stopped before
         if stopping < self.waiting_count and self.enough_ready(batch - self.waiting_count + stopping):
             stop, stops, stopping = self.waiting, self._waiting_rows, self.waiting_count  # the batch stops
-        positions = true_positions(stop, stopping)
-        rows = self.running[positions]
-        self.exit_layers[rows] = layer
+        together = stopping == len(self.running)
+        whole_batch = together and self.active is None  # the common stop, at batch 1 always: nothing to look up
+        positions = None if together else true_positions(stop, stopping)
+        rows = self.running if together else self.running[positions]
+        if whole_batch:
+            self.exit_layers.fill_(layer)
+        else:
+            self.exit_layers[rows] = layer
         self.waiting_count -= stopping
         self._waiting_rows = [waits and not now for waits, now in zip(self._waiting_rows, stops, strict=True)]
-        together = stopping == len(self.running)
         for name, state in ready.items():
             self.keep_state(name, computed(state) if together else computed(state)[positions], rows)
         if self.waiting_count == 0:
@@ -270,7 +274,10 @@ class RowExits:
             self.stopped_together = len(self.running) == batch and (
                 self.token_from_batch_layer or not self._earlier_stops
             )
-            self.layers_run[self.running] = layer
+            if whole_batch:
+                self.layers_run.fill_(layer)
+            else:
+                self.layers_run[self.running] = layer
             for row in self._running_rows:
                 self.layers_run_rows[row] = layer
             for name, state in leaving.items():
