@@ -258,13 +258,9 @@ class RowExits:
         if stopping < self.waiting_count and self.enough_ready(batch - self.waiting_count + stopping):
             stop, stops, stopping = self.waiting, self._waiting_rows, self.waiting_count  # the batch stops
         together = stopping == len(self.running)
-        whole_batch = together and self.active is None  # the common stop, at batch 1 always: nothing to look up
         positions = None if together else true_positions(stop, stopping)
         rows = self.running if together else self.running[positions]
-        if whole_batch:
-            self.exit_layers.fill_(layer)
-        else:
-            self.exit_layers[rows] = layer
+        self.exit_layers[self.index(rows)] = layer
         self.waiting_count -= stopping
         self._waiting_rows = [waits and not now for waits, now in zip(self._waiting_rows, stops, strict=True)]
         for name, state in ready.items():
@@ -274,10 +270,7 @@ class RowExits:
             self.stopped_together = len(self.running) == batch and (
                 self.token_from_batch_layer or not self._earlier_stops
             )
-            if whole_batch:
-                self.layers_run.fill_(layer)
-            else:
-                self.layers_run[self.running] = layer
+            self.layers_run[self.index(self.running)] = layer
             for row in self._running_rows:
                 self.layers_run_rows[row] = layer
             for name, state in leaving.items():
@@ -286,6 +279,10 @@ class RowExits:
         self._earlier_stops = True
         self.waiting = self.waiting & ~stop
         return self.plan.go_on(self, layer, leaving, carried)
+
+    def index(self, rows: torch.Tensor) -> torch.Tensor | slice:
+        """`rows` [rows] of the batch as an index; every row (always so at batch 1) as a slice: a fill, not a lookup."""
+        return slice(None) if self.active is None and len(rows) == len(self.exit_layers) else rows
 
     def enough_ready(self, ready: int) -> bool:
         """Whether `ready` rows reach the stop fraction of the rows whose output counts. The discarded rows are among
