@@ -485,22 +485,26 @@ def test_stopping_criteria_get_the_scores_so_far_and_finished_rows_are_certain_o
         assert not ours[row, end:].any()
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_padded_decoder_prompts_give_the_full_models_tokens(model, side):
-    """Left pads count no position; pads after a row's first token (right-padded prompts, or continuing sequences
-    whose ended rows are masked) count, as in the full model."""
-    inputs = mixed_lengths(4, seed=2)
-    prompts = [[0, 17, 33], [0, 45], [0], [0, 9, 9]]
+def padded_decoder_prompts(prompts: list[list[int]], side: str) -> dict:
+    """`decoder_input_ids` and `decoder_attention_mask` of `prompts` padded (pad id 1) on `side` to the longest."""
     width = max(map(len, prompts))
 
     def padded(row: list[int], pad: int) -> list[int]:
         pads = [pad] * (width - len(row))
         return pads + row if side == "left" else row + pads
 
-    padded = {
+    return {
         "decoder_input_ids": torch.tensor([padded(prompt, 1) for prompt in prompts]),
         "decoder_attention_mask": torch.tensor([padded([1] * len(prompt), 0) for prompt in prompts]),
     }
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_decoder_prompts_give_the_full_models_tokens(model, side):
+    """Left pads count no position; pads after a row's first token (right-padded prompts, or continuing sequences
+    whose ended rows are masked) count, as in the full model."""
+    inputs = mixed_lengths(4, seed=2)
+    padded = padded_decoder_prompts([[0, 17, 33], [0, 45], [0], [0, 9, 9]], side)
     expected = full_greedy(model, {**inputs, **padded})
     for policy in ("fixed", "confidence"):
         out = speculative(model, {**inputs, **padded}, CONTROLLERS[policy](), num_assistant_tokens=4)
@@ -514,17 +518,8 @@ def random_combination(model, seed: int) -> tuple[dict, dict, dict]:
     batch = rng.randint(1, 6)
     inputs = tiny_inputs(batch=batch, text_length=rng.randint(4, 9), seed=seed, pad_last=rng.randint(0, 3))
     if rng.random() < 0.5:
-        width = rng.randint(2, 4)
-        prompts = [[0] + [rng.randrange(3, 120) for _ in range(rng.randint(0, width - 1))] for _ in range(batch)]
-        left = rng.random() < 0.5
-        inputs["decoder_input_ids"] = torch.tensor(
-            [[1] * (width - len(p)) + p if left else p + [1] * (width - len(p)) for p in prompts]
-        )
-        inputs["decoder_attention_mask"] = (
-            torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]
-            if left
-            else torch.arange(width)[None] < torch.tensor([len(p) for p in prompts])[:, None]
-        ).long()
+        prompts = [[0] + [rng.randrange(3, 120) for _ in range(rng.randint(0, 3))] for _ in range(batch)]
+        inputs |= padded_decoder_prompts(prompts, rng.choice(["left", "right"]))
     options = {"max_new_tokens": rng.randint(1, 12)}
     if rng.random() < 0.6:  # a token the full model emits somewhere: rows end apart
         tokens = full_greedy(model, inputs, max_new_tokens=6)[:, 1:].flatten().tolist()
