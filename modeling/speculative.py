@@ -28,6 +28,7 @@ those past a row's end wait for the layers with the tokens the full model feeds 
 the returned cache stands for the full model's.
 """
 
+import contextlib
 import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
@@ -84,9 +85,12 @@ class RowTokens:
     def write(self, rows: list[int], offset: int, tokens: torch.Tensor) -> None:
         """Token `tokens[row]` at each row's length + `offset`."""
         self.grow(max(self.lengths) + offset + 1)
+        columns = [self.lengths[row] + offset for row in rows]
+        if len(rows) == len(self.lengths) and min(columns) == max(columns):  # every row, one column (batch 1)
+            self.buffer[:, columns[0]] = tokens
+            return
         index = torch.tensor(rows, device=self.buffer.device)
-        columns = torch.tensor([self.lengths[row] + offset for row in rows], device=self.buffer.device)
-        self.buffer[index, columns] = tokens[index]
+        self.buffer[index, torch.tensor(columns, device=self.buffer.device)] = tokens[index]
 
     def by_length(self, rows: list[int], offset: int = 0) -> dict[int, list[int]]:
         """`rows` grouped by their length + `offset`: the rows whose prefixes fit one tensor."""
@@ -102,6 +106,12 @@ class RowTokens:
         for row, length in enumerate(self.lengths):
             sequences[row, length:] = self.pad_token_id
         return sequences
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager:
+    """`record_function(name)` while a torch profiler runs: where a round's time goes (`bench` reads it). Otherwise
+    nothing, since entering one costs two operator calls, and a round enters several."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def processed(processors: Callable, tokens: RowTokens, rows: list[int], offset: int, logits: torch.Tensor):
@@ -344,7 +354,7 @@ class SpeculativeDecoding:
         decoder controller is a `CappedDraft`): (logits [batch, vocab] over the draft vocabulary, exit layers [batch],
         the final-LayerNorm'd states [batch, d] the logits project)."""
         mask, positions = round_slots.covering(self.cache.get_seq_length() + 1)
-        with record_function("speculative.draft"):  # where a round's time goes, under `torch.profiler`
+        with profiled("speculative.draft"):
             out = self.decoder(
                 select_rows(tokens, self.live.index)[:, None], self.encoder_outputs, mask, self.cache, settings,
                 position_ids=positions, step_biases=round_slots.biases,
@@ -361,7 +371,7 @@ class SpeculativeDecoding:
         """The verification of a round: every draft run through the layers it skipped, with `tokens` [batch] (the last
         drafts) run through all of them; None when every row's last draft step was left unused."""
         mask, positions = round_slots.covering(self.cache.get_seq_length() + (tokens is not None))
-        with record_function("speculative.verify"):
+        with profiled("speculative.verify"):
             self.decoder.verify(
                 None if tokens is None else select_rows(tokens, self.live.index)[:, None], self.encoder_outputs, mask,
                 self.cache, positions, round_slots.biases,
@@ -518,8 +528,9 @@ class SpeculativeDecoding:
         """Of a draft step's rows still `going` [batch], those its cap stopped against their controller (`forced`
         [batch]) and those of the others that drafted an end token (`picked` [batch]): in one device read."""
         ends = torch.isin(picked, self.eos_token_ids) if self.eos_token_ids is not None else torch.zeros_like(forced)
-        capped, ended = torch.stack([forced & going, ends & going & ~forced]).tolist()
-        return {row for row, flag in enumerate(capped) if flag}, {row for row, flag in enumerate(ended) if flag}
+        flags = zip(*torch.stack([going, forced, ends]).tolist(), strict=True)
+        stops = [(row, capped) for row, (on, capped, ended) in enumerate(flags) if on and (capped or ended)]
+        return {row for row, capped in stops if capped}, {row for row, capped in stops if not capped}
 
     def verified_logits(self, drafts: list[Draft], start: int) -> torch.Tensor:
         """The full model's logits [batch, k + 1, vocab] after each drafted prefix and after the last draft: the
@@ -641,7 +652,7 @@ def speculative_generate(
     while generating:
         k = max(0, min(draft_tokens, max_length - min(tokens.lengths[row] for row in generating) - 1))
         start = decoding.cache.get_seq_length()
-        with record_function("speculative.round"):
+        with profiled("speculative.round"):
             result = decoding.run_round(inputs, tokens, generating, k, slots)
         appended, still = commit_round(result, tokens, generating, log, stopping_criteria)
         if streamer is not None:
