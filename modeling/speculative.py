@@ -434,7 +434,7 @@ class SpeculativeDecoding:
                 break
         # The last drafts are fed only for rows still drafting: a row that stopped at its cap left its last step's
         # output waiting, and one that drafted its end token needs nothing after it.
-        self.verify(inputs if bool(going.any()) else None, round_slots)
+        self.verify(inputs if drafting else None, round_slots)
         p_logits = self.verified_logits(drafts, start)
         p_scores = torch.stack(
             [
