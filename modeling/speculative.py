@@ -528,9 +528,9 @@ class SpeculativeDecoding:
         """Of a draft step's rows still `going` [batch], those its cap stopped against their controller (`forced`
         [batch]) and those of the others that drafted an end token (`picked` [batch]): in one device read."""
         ends = torch.isin(picked, self.eos_token_ids) if self.eos_token_ids is not None else torch.zeros_like(forced)
-        flags = zip(*torch.stack([going, forced, ends]).tolist(), strict=True)
-        stops = [(row, capped) for row, (on, capped, ended) in enumerate(flags) if on and (capped or ended)]
-        return {row for row, capped in stops if capped}, {row for row, capped in stops if not capped}
+        on, at_cap, at_end = torch.stack([going, forced, ends]).tolist()
+        capped = {row for row, flag in enumerate(at_cap) if flag and on[row]}
+        return capped, {row for row, flag in enumerate(at_end) if flag and on[row]} - capped
 
     def verified_logits(self, drafts: list[Draft], start: int) -> torch.Tensor:
         """The full model's logits [batch, k + 1, vocab] after each drafted prefix and after the last draft: the
