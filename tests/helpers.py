@@ -1,12 +1,14 @@
 """Test helpers: the ../shared reference files and tiny models."""
 
 import os
+import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_earlyexit import EarlyExitOFAForConditionalGeneration, OFAEarlyExitConfig
+from hf_earlyexit.modeling.exit_knobs import NO_EXIT
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("HF_EARLYEXIT_SHARED", REPO.parent / "shared"))
@@ -76,3 +78,11 @@ def tiny_inputs(batch: int = 2, text_length: int = 7, image_size: int = 64, seed
         attention_mask[-1, -pad_last:] = 0
     pixel_values = torch.randn(batch, 3, image_size, image_size, generator=generator)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values}
+
+
+def emitted_token(model, inputs: dict, rng: random.Random, new_tokens: int) -> int:
+    """A token of the full model's greedy output on `inputs` (its decoder input and `new_tokens` new ones past the
+    start token), drawn by `rng`: as an end token, it ends rows apart."""
+    with torch.no_grad():
+        tokens = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, **NO_EXIT)
+    return rng.choice(tokens[:, 1:].flatten().tolist())

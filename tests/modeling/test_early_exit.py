@@ -16,7 +16,7 @@ from hf_earlyexit.modeling.exit_knobs import KV_STRATEGIES, NO_EXIT
 from hf_earlyexit.modeling.generation_early_exit import EarlyExitSettings, new_cache
 from hf_earlyexit.modeling.modeling_ofa import OFADecoder
 from hf_earlyexit.modeling.row_exits import LayerCosts, RowExits
-from tests.helpers import tiny_config, tiny_inputs, tiny_model
+from tests.helpers import emitted_token, tiny_config, tiny_inputs, tiny_model
 
 DEPTH = 4  # decoder layers of the models here
 NEW_TOKENS = 7
@@ -547,10 +547,8 @@ def test_keep_and_compact_agree_on_random_combinations(model, seed):
     inputs = tiny_inputs(batch=rng.randint(1, 5), text_length=rng.randint(4, 9), seed=seed, pad_last=rng.randint(0, 3))
     beams = rng.choice([1, 2, 3])
     options = {"max_new_tokens": rng.randint(1, 10), "num_beams": beams, "num_return_sequences": rng.randint(1, beams)}
-    if rng.random() < 0.5:  # a token the full model emits somewhere: rows end apart
-        with torch.no_grad():
-            tokens = model.generate(**inputs, max_new_tokens=5, do_sample=False, **NO_EXIT)[:, 1:].flatten().tolist()
-        options["eos_token_id"] = rng.choice(tokens)
+    if rng.random() < 0.5:
+        options["eos_token_id"] = emitted_token(model, inputs, rng, new_tokens=5)
     controllers = {"decoder": mixed_exits(offset=rng.randint(0, DEPTH - 1))}
     if rng.random() < 0.5:
         shift = rng.randint(0, 2)

@@ -12,7 +12,7 @@ from hf_earlyexit.loading import EMBEDDED_MODEL_DIR
 from hf_earlyexit.modeling.exit_controllers import ConfidenceExit, FixedLayerExit, SimilarityExit
 from hf_earlyexit.modeling.exit_knobs import NO_EXIT
 from hf_earlyexit.tasks import get_task
-from tests.helpers import tiny_inputs, tiny_model
+from tests.helpers import emitted_token, tiny_inputs, tiny_model
 
 DEPTH = 4
 NEW_TOKENS = 10
@@ -521,9 +521,8 @@ def random_combination(model, seed: int) -> tuple[dict, dict, dict]:
         prompts = [[0] + [rng.randrange(3, 120) for _ in range(rng.randint(0, 3))] for _ in range(batch)]
         inputs |= padded_decoder_prompts(prompts, rng.choice(["left", "right"]))
     options = {"max_new_tokens": rng.randint(1, 12)}
-    if rng.random() < 0.6:  # a token the full model emits somewhere: rows end apart
-        tokens = full_greedy(model, inputs, max_new_tokens=6)[:, 1:].flatten().tolist()
-        options["eos_token_id"] = rng.choice(tokens)
+    if rng.random() < 0.6:
+        options["eos_token_id"] = emitted_token(model, inputs, rng, new_tokens=6)
     options |= rng.choice([{}, {"repetition_penalty": 1.5}, {"no_repeat_ngram_size": 2}, {"min_new_tokens": 3}])
     drafts = {"num_assistant_tokens": rng.randint(1, 8)}
     if rng.random() < 0.4:
