@@ -174,8 +174,9 @@ class OFAEarlyExitConfig(PreTrainedConfig):
     Early-exit defaults (every one can be overridden per `generate` call, or in the generation config):
         exit_threshold: decoder exit threshold; None = no decoder exits (the full model).
         exit_policy: "similarity" (MuE: cosine of a layer's output and input), "confidence" (max probability of
-            the exit head), "margin" (CALM: its top-1 minus top-2 probability) or "patience" (the exit head's argmax
-            unchanged for `exit_threshold` layers).
+            the exit head), "margin" (CALM: its top-1 minus top-2 probability), "patience" (the exit head's argmax
+            unchanged for `exit_threshold` layers) or "fixed_layer" (every token exits after layer `exit_threshold`:
+            a budget, and speculative mode's cheapest draft, since nothing is scored).
         exit_threshold_schedule: "constant", "mue_decay" (the paper's), "mue_official" (the official code's) or
             "calm_decay": how the decoder threshold moves over the decoding steps.
         encoder_exit_threshold: cosine-similarity exit of the joint encoder; None = full depth.

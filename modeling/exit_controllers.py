@@ -31,7 +31,7 @@ from .exit_knobs import (
     ExitPart,
     ExitPolicy,
     ThresholdScheduleName,
-    check_patience_count,
+    check_layer_count,
 )
 
 
@@ -394,7 +394,7 @@ def checked_decision(decision: torch.Tensor, state: ExitState, controller: ExitC
     return decision.to(torch.bool)
 
 
-# Policy -> its controller and options; "patience" is built apart, since its threshold is a layer count.
+# Policy -> its controller and options; "patience" and "fixed_layer" are built apart: their thresholds count layers.
 POLICIES = {
     "similarity": (SimilarityExit, {}),
     "confidence": (ConfidenceExit, {}),
@@ -410,13 +410,17 @@ def make_controller(
 ) -> ExitController:
     """The controller `generate` builds from its knobs: `exit_policy`, `exit_threshold`, `exit_threshold_schedule`.
 
-    For the patience policy, `exit_threshold` is the patience: how many layers in a row must agree.
+    For the patience policy, `exit_threshold` is the patience: how many layers in a row must agree; for the
+    fixed_layer policy, the layer every row exits after (`FixedLayerExit`: the first exit point at or above it).
     """
     if policy not in POLICY_NAMES:
         raise ValueError(f"Unknown `exit_policy` {policy!r}; choose one of {list(POLICY_NAMES)}.")
     if policy == "patience":
-        check_patience_count("exit_threshold", threshold, schedule)
+        check_layer_count("exit_threshold", threshold, schedule, policy)
         return PatienceExit(int(threshold), **options)
+    if policy == "fixed_layer":
+        check_layer_count("exit_threshold", threshold, schedule, policy)
+        return FixedLayerExit(int(threshold), **options)
     controller, defaults = POLICIES[policy]
     return controller(threshold, schedule, **{**defaults, **options})
 

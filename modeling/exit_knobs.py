@@ -21,7 +21,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-ExitPolicy = Literal["similarity", "confidence", "margin", "patience"]
+ExitPolicy = Literal["similarity", "confidence", "margin", "patience", "fixed_layer"]
 ThresholdScheduleName = Literal["constant", "mue_decay", "mue_official", "calm_decay"]
 KVStrategy = Literal["propagate", "copy", "recompute"]
 ExitPart = Literal["decoder", "encoder", "encoder_image", "encoder_text"]
@@ -30,6 +30,9 @@ ExitTokenLayer = Literal["own", "batch"]
 ExitMode = Literal["exit", "speculative"]
 
 POLICY_NAMES: tuple[str, ...] = get_args(ExitPolicy)
+# Policies whose threshold is a whole number of layers, one for the whole batch: patience's count of agreeing exit
+# points, and the fixed layer every row exits after.
+LAYER_POLICIES: tuple[str, ...] = ("patience", "fixed_layer")
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ThresholdScheduleName)
 KV_STRATEGIES: tuple[str, ...] = get_args(KVStrategy)
 EXIT_PARTS: tuple[str, ...] = get_args(ExitPart)
@@ -108,7 +111,7 @@ THRESHOLD_RANGES: dict[str, tuple[float, float] | None] = {
     "draft_exit_threshold": None,
     **{f"{part}_exit_threshold": (-1.0, 1.0) for part in ENCODER_PARTS},  # cosine similarities
 }
-# A decoder threshold's range is its policy's score's (patience's is a layer count, checked apart).
+# A decoder threshold's range is its policy's score's (`LAYER_POLICIES` count layers, checked apart).
 POLICY_RANGES: dict[str, tuple[float, float]] = {
     "similarity": (-1.0, 1.0),
     "confidence": (0.0, 1.0),
@@ -137,7 +140,7 @@ def check_knobs(values: dict[str, Any], config: Any, resolved: bool = True) -> N
             f"({values.get('min_exit_layer', 1)})."
         )
     check_thresholds(values, by_policy=resolved)
-    check_patience(values, config)
+    check_layer_policies(values, config)
     check_batch_rules(values)
     check_draft_batch_size(values.get("draft_max_batch_size"))
     check_draft_vocabulary(values.get("draft_vocabulary"), config.vocab_size)
@@ -167,20 +170,20 @@ def check_thresholds(values: dict[str, Any], by_policy: bool = True) -> None:
             raise ValueError(
                 f"`{name}` is a {policy} score's threshold and must lie in {list(bounds)}, got {threshold}."
             )
-        if policy == "patience":
-            check_patience_count(name, threshold, values.get("exit_threshold_schedule", "constant"))
+        if policy in LAYER_POLICIES:
+            check_layer_count(name, threshold, values.get("exit_threshold_schedule", "constant"), policy)
 
 
-def check_patience_count(name: str, threshold: Any, schedule: str = "constant") -> None:
-    """A patience policy's threshold knob `name`: one layer count of at least 1 for the whole batch, with the constant
-    schedule (a count has nothing to decay)."""
+def check_layer_count(name: str, threshold: Any, schedule: str = "constant", policy: str = "patience") -> None:
+    """The threshold knob `name` of a policy in `LAYER_POLICIES`: one layer count of at least 1 for the whole batch,
+    with the constant schedule (a count has nothing to decay)."""
     count = threshold.tolist() if hasattr(threshold, "tolist") else threshold  # a 0-d tensor or NumPy number
     if isinstance(count, bool) or not isinstance(count, numbers.Real) or not float(count).is_integer() or count < 1:
         raise ValueError(
-            f"`{name}` of the patience policy is one layer count of at least 1 for the whole batch, got {threshold!r}."
+            f"`{name}` of the {policy} policy is one layer count of at least 1 for the whole batch, got {threshold!r}."
         )
     if schedule != "constant":
-        raise ValueError(f"`exit_threshold_schedule` {schedule!r} needs a threshold to decay; patience has none.")
+        raise ValueError(f"`exit_threshold_schedule` {schedule!r} needs a threshold to decay; {policy} has none.")
 
 
 def threshold_policy(name: str, values: dict[str, Any]) -> str:
@@ -191,20 +194,28 @@ def threshold_policy(name: str, values: dict[str, Any]) -> str:
     return values.get("exit_policy", "similarity") if name == "exit_threshold" else "similarity"
 
 
-def check_patience(values: dict[str, Any], config: Any) -> None:
-    """The patience policy's threshold counts asked exit points whose predictions agree in a row: more than those
-    between `min_exit_layer` and `max_exit_layer` would never exit, silently. (None asked at all is the no-exit
-    setting of any policy.)"""
+def check_layer_policies(values: dict[str, Any], config: Any) -> None:
+    """A layer count that no asked exit point reaches would never exit, silently: patience's count of exit points in
+    a row that agree, above the points asked between `min_exit_layer` and `max_exit_layer`; a fixed layer above the
+    deepest asked point. (None asked at all is the no-exit setting of any policy.)"""
     low, high = values.get("min_exit_layer", 1), values.get("max_exit_layer") or config.decoder_layers
-    asked = sum(low <= point <= high for point in config.exit_points)
+    asked = [point for point in config.exit_points if low <= point <= high]
     for policy, threshold in (("exit_policy", "exit_threshold"), ("draft_exit_policy", "draft_exit_threshold")):
         count = values.get(threshold)
         count = count.tolist() if hasattr(count, "tolist") else count  # a 0-d tensor or NumPy number: the number
         drafting_policy = values.get(policy) or values.get("exit_policy")  # the drafts default to the exits' policy
-        if drafting_policy == "patience" and isinstance(count, numbers.Real) and 0 < asked < count:
+        if not asked or not isinstance(count, numbers.Real) or drafting_policy not in LAYER_POLICIES:
+            continue
+        if drafting_policy == "patience" and len(asked) < count:
             raise ValueError(
                 f"`{threshold}={count}` with the patience policy waits for {count} exit points in a row to agree; this "
-                f"decoder asks {asked} (within `min_exit_layer` / `max_exit_layer`), so it would never exit."
+                f"decoder asks {len(asked)} (within `min_exit_layer` / `max_exit_layer`), so it would never exit."
+            )
+        if drafting_policy == "fixed_layer" and max(asked) < count:
+            raise ValueError(
+                f"`{threshold}={count}` with the fixed_layer policy exits after layer {count}; this decoder asks its "
+                f"exits up to layer {max(asked)} (`exit_points` within `min_exit_layer` / `max_exit_layer`), so it "
+                "would never exit."
             )
 
 
@@ -402,6 +413,7 @@ __all__ = [
     "ExitPolicy",
     "KVStrategy",
     "KV_STRATEGIES",
+    "LAYER_POLICIES",
     "NO_EXIT",
     "POLICY_NAMES",
     "ROW_EXIT_PLANS",
@@ -418,7 +430,7 @@ __all__ = [
     "check_encoder_knobs_used",
     "check_encoder_parts",
     "check_knobs",
-    "check_patience_count",
+    "check_layer_count",
     "check_not_misspelt",
     "check_thresholds",
     "drafts_with_exit_knobs",

@@ -831,6 +831,17 @@ def test_confidence_exit_at_a_low_threshold_stops_at_the_first_allowed_layer(mod
     assert bool((patience.exit_layers >= 2).all())
 
 
+@pytest.mark.parametrize("decoding", ["greedy", "beam"])
+def test_the_fixed_layer_policy_exits_every_token_after_its_layer(model, decoding):
+    fixed = generate(model, batch_of(2), decoding, exit_policy="fixed_layer", exit_threshold=2)
+    forced = generate(model, batch_of(2), decoding, exit_controller=FixedLayerExit(2))
+    assert torch.equal(fixed.sequences, forced.sequences)
+    assert set(fixed.exit_layers[fixed.exit_layers > 0].tolist()) == {2}
+    # From the first exit point at or above the layer asked: here layer 2, the first `min_exit_layer` allows.
+    assert set(generate(model, batch_of(2), decoding, exit_policy="fixed_layer", exit_threshold=1, min_exit_layer=2)
+               .exit_layers.unique().tolist()) <= {0, 2}  # fmt: skip
+
+
 def test_a_step_that_stops_at_one_exit_reuses_the_exit_heads_logits(model):
     inputs = batch_of(2)
     with torch.no_grad():
@@ -1009,6 +1020,9 @@ def test_a_model_config_knob_the_generation_config_outranks_is_said_once(monkeyp
         (dict(exit_threshold=torch.tensor(9), exit_policy="patience"), "so it would never exit"),
         (dict(exit_threshold=DEPTH - 1, exit_policy="patience", min_exit_layer=2), "asks 2 "),  # layers 2, 3 asked
         (dict(exit_mode="speculative", exit_policy="patience", exit_threshold=2, draft_exit_threshold=9), "draft_exit"),
+        (dict(exit_threshold=DEPTH, exit_policy="fixed_layer"), "up to layer 3 .* so it would never exit"),
+        (dict(exit_threshold=2, exit_policy="fixed_layer", max_exit_layer=1), "up to layer 1"),
+        (dict(exit_mode="speculative", draft_exit_policy="fixed_layer", draft_exit_threshold=0.5), "draft_exit"),
         (dict(kv_strategy="share"), "kv_strategy"),
         (dict(min_exit_layer=0), "min_exit_layer"),
         (dict(min_exit_layer=DEPTH + 1), "min_exit_layer"),

@@ -288,6 +288,10 @@ def test_a_user_controller_that_returns_scores_is_refused_not_cast():
         (lambda: make_controller("patience", 1.5), "layer count"),
         (lambda: make_controller("patience", [2, 3]), "one layer count .* for the whole batch"),
         (lambda: make_controller("patience", 2, schedule="mue_official"), "`exit_threshold_schedule`"),
+        (lambda: make_controller("fixed_layer", 0), "`exit_threshold` of the fixed_layer policy"),
+        (lambda: make_controller("fixed_layer", 1.5), "layer count"),
+        (lambda: make_controller("fixed_layer", [1, 2]), "one layer count .* for the whole batch"),
+        (lambda: make_controller("fixed_layer", 2, schedule="calm_decay"), "fixed_layer has none"),
     ],
 )
 def test_bad_knobs_raise_value_errors_naming_them(make, message):

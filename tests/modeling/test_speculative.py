@@ -69,6 +69,18 @@ def test_greedy_speculative_gives_the_full_models_tokens(model, batch, policy):
         assert bool((out.accepted_tokens <= out.drafted_tokens).all())
 
 
+@pytest.mark.parametrize("schedule", ["constant", "heuristic"])
+def test_drafts_at_a_fixed_layer_by_the_draft_knobs_give_the_full_models_tokens(model, schedule):
+    inputs = mixed_lengths(4, seed=3)
+    with torch.no_grad():
+        out = model.generate(
+            **inputs, max_new_tokens=NEW_TOKENS, exit_mode="speculative", draft_exit_policy="fixed_layer",
+            draft_exit_threshold=2, num_assistant_tokens_schedule=schedule, return_dict_in_generate=True,
+        )  # fmt: skip
+    assert torch.equal(out.sequences, full_greedy(model, inputs))
+    assert set(out.exit_layers[out.exit_layers > 0].tolist()) <= {2, DEPTH} and int(out.accepted_tokens.sum()) > 0
+
+
 def test_rows_that_finish_early_stop_where_the_full_model_does(model):
     inputs = mixed_lengths(8, seed=3)
     common = full_greedy(model, inputs)[:, 3].mode().values.item()  # a token several rows emit: their end
