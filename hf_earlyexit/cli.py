@@ -277,7 +277,8 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
         raise ValueError(f"--repeats must be positive, got {args.repeats}.")
     thresholds = policy_thresholds(args, DRAFT_THRESHOLDS)
     draft_tokens = parse_list(args.draft_tokens, int, "--draft-tokens must be comma-separated integers")
-    drafting_grid(thresholds, draft_tokens)  # checked before the model loads
+    schedules = parse_list(args.draft_schedules, str, "--draft-schedules must be comma-separated names")
+    drafting_grid(thresholds, draft_tokens, schedules)  # checked before the model loads
     batch_sizes = (
         parse_list(args.draft_batch_sizes, int, "--draft-batch-sizes must be comma-separated integers")
         if args.draft_batch_sizes
@@ -288,6 +289,7 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
     report = calibrate_drafts(
         model, processor, task_list(args.tasks), args.split, args.samples, args.batch_size, thresholds, draft_tokens,
         args.repeats, progress=not args.quiet, batch_sizes=batch_sizes, vocabulary_size=args.draft_vocabulary_size,
+        schedules=schedules,
     )  # fmt: skip
     try:
         if args.write and report["chosen"] is not None:
@@ -304,7 +306,9 @@ def calibrate_drafts(args: argparse.Namespace) -> None:
 
 # The options of each kind of calibration (their `dest`), refused with the other kind rather than ignored.
 LOSSY_CALIBRATION = ("risk", "delta", "tolerance", "exit_token_layers", "batch_stop_fractions", "max_exit_layers")
-DRAFT_CALIBRATION = ("draft_tokens", "repeats", "draft_batch_sizes", "draft_vocabulary_size")
+DRAFT_CALIBRATION = (
+    "draft_tokens", "draft_schedules", "draft_layers", "repeats", "draft_batch_sizes", "draft_vocabulary_size",
+)  # fmt: skip
 
 
 def flags_set(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -313,13 +317,24 @@ def flags_set(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def policy_thresholds(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str, list[float]]:
-    """The decoder policies' thresholds to sweep: `--similarity-thresholds` / `--confidence-thresholds`, else the
-    mode's `defaults`; an empty option leaves its policy out."""
-    given = {"similarity": args.similarity_thresholds, "confidence": args.confidence_thresholds}
-    chosen = {
-        policy: text if text is not None else ",".join(map(str, defaults[policy])) for policy, text in given.items()
+    """The decoder policies' thresholds to sweep: `--similarity-thresholds` / `--confidence-thresholds` (and the
+    drafts' fixed layers, `--draft-layers`), else the mode's `defaults`; an empty option leaves its policy out."""
+    given = {
+        "similarity": args.similarity_thresholds,
+        "confidence": args.confidence_thresholds,
+        "fixed_layer": args.draft_layers,
     }
-    return {policy: parse_floats(text) for policy, text in chosen.items() if text}
+    chosen = {
+        policy: text if text is not None else ",".join(map(str, defaults.get(policy, ())))
+        for policy, text in given.items()
+    }
+    return {
+        policy: parse_list(text, int, "--draft-layers must be comma-separated layers")
+        if policy == "fixed_layer"
+        else parse_floats(text)
+        for policy, text in chosen.items()
+        if text
+    }
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -634,10 +649,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--encoder-thresholds", help="encoder streams' similarity thresholds, comma-separated ('' = none)"
     )
     calibrate.add_argument(
-        "--similarity-thresholds", help="decoder, similarity policy ('' = none; default 0.95,0.98, drafts 0.9,0.95)"
+        "--similarity-thresholds", help="decoder, similarity policy ('' = none; default 0.95,0.98, drafts none)"
     )
     calibrate.add_argument(
-        "--confidence-thresholds", help="decoder, confidence ('' = none; default 0.6,0.8,0.9,0.95, drafts 0.2-0.8)"
+        "--confidence-thresholds", help="decoder, confidence ('' = none; default 0.6,0.8,0.9,0.95, drafts 0.2,0.4,0.6)"
     )
     calibrate.add_argument(
         "--exit-mode",
@@ -647,6 +662,14 @@ def build_parser() -> argparse.ArgumentParser:
         "on the GPU if there is one)",
     )
     calibrate.add_argument("--draft-tokens", default="4,8", help="speculative: draft lengths to time (default 4,8)")
+    calibrate.add_argument(
+        "--draft-schedules",
+        default="constant,heuristic",
+        help="speculative: draft length schedules (num_assistant_tokens_schedule) to time (default constant,heuristic)",
+    )
+    calibrate.add_argument(
+        "--draft-layers", help="speculative: fixed layers to draft at (policy fixed_layer; '' = none; default 1,2)"
+    )
     calibrate.add_argument("--repeats", type=int, default=2, help="speculative: timed rounds per batch (default 2)")
     calibrate.add_argument(
         "--draft-batch-sizes",

@@ -1,7 +1,8 @@
 """Choosing speculative mode's drafts by the clock: which decoder exit drafts (`draft_exit_policy`,
-`draft_exit_threshold`), how many tokens a round drafts (`num_assistant_tokens`), and up to which batch size drafting
-pays (`draft_max_batch_size`: a step costs about its deepest row, so larger batches gain less from shallow drafts).
-On request, the drafts propose only the tokens the references use most (`draft_vocabulary`, `frequent_tokens`).
+`draft_exit_threshold`), how many tokens a round drafts (`num_assistant_tokens`, `num_assistant_tokens_schedule`), and
+up to which batch size drafting pays (`draft_max_batch_size`: a step costs about its deepest row, so larger batches
+gain less from shallow drafts). On request, the drafts propose only the tokens the references use most
+(`draft_vocabulary`, `frequent_tokens`).
 
 Speculative mode's output is the full model's whatever drafts it, so there is no quality to trade: the choice is the
 setting with the most tokens per second, timed beside the full model on the same batches. Lower thresholds than
@@ -20,13 +21,20 @@ from typing import Any
 from .benchmark import paired_seconds, timed_on
 from .calibration import settings_key, write_generation_defaults, write_together
 from .evaluation import TaskInputs, TaskRun, run_batch, task_inputs
+from .modeling.generation_early_exit import check_draft_length
 from .modeling.processing_ofa import prompt_text
 
 # The default grid: lower thresholds than `calibration.DECODER_THRESHOLDS`, since a draft only has to be right
-# often enough; on the embedded model confidence 0.3-0.4 drafts fastest.
-DRAFT_THRESHOLDS = {"confidence": (0.2, 0.4, 0.6, 0.8), "similarity": (0.9, 0.95)}
+# often enough, and fixed layers, which draft without scoring anything. On the embedded model confidence 0.2-0.4
+# drafted fastest among the scores, and a fixed layer 1 about 3% faster still at batch 1 (2026-12-07); similarity
+# drafts (0.9, 0.95) never beat the full model on VQA or entailment there, so they are timed only on request.
+DRAFT_THRESHOLDS = {"confidence": (0.2, 0.4, 0.6), "fixed_layer": (1, 2)}
 DRAFT_TOKENS = (4, 8)
-DRAFT_LENGTH = "num_assistant_tokens"  # Transformers' own field for an assistant's draft length
+# "heuristic" (Transformers' rule: two more drafts after a round that accepted all, one fewer otherwise) measured
+# +3% on captions at batch 1 and -1% at batch 8 against the constant 4 (2026-12-07): the clock decides.
+DRAFT_LENGTH_SCHEDULES = ("constant", "heuristic")
+DRAFT_LENGTH = "num_assistant_tokens"  # Transformers' own fields for an assistant's draft length and its schedule
+DRAFT_SCHEDULE = "num_assistant_tokens_schedule"
 # The settings within this fraction of the best at the calibration's batch size are timed at the larger batch sizes
 # too. On the embedded model at batch 1 the four best were within 0.6% of each other, while at batch 8 four drafts
 # per round beat eight by 13% on captions (2026-11-25).
@@ -37,7 +45,8 @@ CONTENDER_MARGIN = 0.97
 class DraftingPoint:
     """One drafting setting timed on a task against the full model.
 
-    settings: `generate` kwargs (`draft_exit_policy`, `draft_exit_threshold`, `num_assistant_tokens`).
+    settings: `generate` kwargs (`draft_exit_policy`, `draft_exit_threshold`, `num_assistant_tokens`,
+        `num_assistant_tokens_schedule`).
     seconds / full_seconds: the split's wall clock in speculative mode and the full model's, paired per batch.
     tokens / full_tokens: the tokens it and the full model generated. same_outputs: whether every output is the full
         model's (it must be).
@@ -70,22 +79,31 @@ class DraftingPoint:
         }
 
 
-def check_draft_lengths(draft_tokens: Sequence[int]) -> None:
-    """ValueError unless `draft_tokens` are one or more positive integers."""
+def check_draft_lengths(draft_tokens: Sequence[int], schedules: Sequence[str] = ("constant",)) -> None:
+    """ValueError unless `draft_tokens` are one or more positive integers and `schedules` one or more of
+    `num_assistant_tokens_schedule`'s values."""
     if not draft_tokens or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in draft_tokens):
         raise ValueError(f"Draft lengths (`num_assistant_tokens`) must be positive integers, got {list(draft_tokens)}.")
+    if not schedules:
+        raise ValueError("Give at least one draft length schedule (`num_assistant_tokens_schedule`).")
+    for schedule in schedules:
+        check_draft_length(None, schedule)
 
 
 def drafting_grid(
-    thresholds: dict[str, Sequence[float]] = DRAFT_THRESHOLDS, draft_tokens: Sequence[int] = DRAFT_TOKENS
+    thresholds: dict[str, Sequence[float]] = DRAFT_THRESHOLDS,
+    draft_tokens: Sequence[int] = DRAFT_TOKENS,
+    schedules: Sequence[str] = DRAFT_LENGTH_SCHEDULES,
 ) -> list[dict[str, Any]]:
-    """Every (policy, threshold) x draft length as `generate` kwargs; ValueError on a draft length below 1."""
-    check_draft_lengths(draft_tokens)
+    """Every (policy, threshold) x draft length x its schedule as `generate` kwargs; ValueError on a draft length
+    below 1 or an unknown schedule."""
+    check_draft_lengths(draft_tokens, schedules)
     return [
-        {"draft_exit_policy": policy, "draft_exit_threshold": threshold, DRAFT_LENGTH: k}
+        {"draft_exit_policy": policy, "draft_exit_threshold": threshold, DRAFT_LENGTH: k, DRAFT_SCHEDULE: schedule}
         for policy, values in thresholds.items()
         for threshold in values
         for k in draft_tokens
+        for schedule in schedules
     ]
 
 
@@ -204,14 +222,14 @@ def served_speedup(speedups: dict[int, dict[str, float]]) -> float:
 
 
 def write_drafting_defaults(model, settings: dict[str, Any]) -> None:
-    """Make `settings` speculative mode's saved drafts: the draft knobs and `num_assistant_tokens` go to the
-    generation config (the lossy exit defaults and `exit_mode` stay as they are). ValueError on a bad value."""
-    draft_tokens = settings.get(DRAFT_LENGTH)
-    if draft_tokens is not None:
-        check_draft_lengths([draft_tokens])
-    write_generation_defaults(model, {name: value for name, value in settings.items() if name != DRAFT_LENGTH})
-    if draft_tokens is not None:
-        model.generation_config.num_assistant_tokens = draft_tokens
+    """Make `settings` speculative mode's saved drafts: the draft knobs, `num_assistant_tokens` and
+    `num_assistant_tokens_schedule` go to the generation config (the lossy exit defaults and `exit_mode` stay as
+    they are). ValueError on a bad value."""
+    lengths = {name: settings[name] for name in (DRAFT_LENGTH, DRAFT_SCHEDULE) if settings.get(name) is not None}
+    check_draft_lengths([lengths.get(DRAFT_LENGTH, 1)], [lengths.get(DRAFT_SCHEDULE, "constant")])
+    write_generation_defaults(model, {name: value for name, value in settings.items() if name not in lengths})
+    for name, value in lengths.items():
+        setattr(model.generation_config, name, value)
 
 
 def check_batch_sizes(batch_size: int, batch_sizes: Sequence[int]) -> None:
@@ -310,11 +328,13 @@ def calibrate_drafts(
     progress: bool = True,
     batch_sizes: Sequence[int] = (),
     vocabulary_size: int | None = None,
+    schedules: Sequence[str] = DRAFT_LENGTH_SCHEDULES,
 ) -> dict[str, Any]:
-    """Time every drafting setting of `thresholds` x `draft_tokens` on each task's first `samples` rows of `split`
-    in batches of `batch_size` (the choice is for that batch size: speculative mode pays most at batch 1), and choose
-    the fastest on every task (`fastest_drafts`). Returns the JSON report `hf-earlyexit calibrate --exit-mode
-    speculative` prints: per task the full model's tokens per second and every setting's point, fastest first.
+    """Time every drafting setting of `thresholds` (per policy; the fixed_layer policy's are layers) x `draft_tokens`
+    x their `schedules` on each task's first `samples` rows of `split` in batches of `batch_size` (the choice is for
+    that batch size: speculative mode pays most at batch 1), and choose the fastest on every task (`fastest_drafts`).
+    Returns the JSON report `hf-earlyexit calibrate --exit-mode speculative` prints: per task the full model's tokens
+    per second and every setting's point, fastest first.
 
     batch_sizes: larger batch sizes to time the `contenders` at, beside the full model (settings alike at
         `batch_size` may differ there: each draft step costs the whole batch, and the verification grows with the
@@ -333,7 +353,7 @@ def calibrate_drafts(
     write_to: the model's folder, where the choice is saved (`save_drafting_calibration`); ValueError, and nothing
         written, when no setting was at least as fast as the full model on every task.
     """
-    grid = drafting_grid(thresholds, draft_tokens)
+    grid = drafting_grid(thresholds, draft_tokens, schedules)
     if not grid:
         raise ValueError("No drafting setting to time: give at least one policy with a threshold.")
     check_batch_sizes(batch_size, batch_sizes)
@@ -415,6 +435,7 @@ def save_drafting_calibration(model, report: dict[str, Any], folder: str | Path)
 
 __all__ = [
     "CONTENDER_MARGIN",
+    "DRAFT_LENGTH_SCHEDULES",
     "DRAFT_THRESHOLDS",
     "DRAFT_TOKENS",
     "DraftingPoint",

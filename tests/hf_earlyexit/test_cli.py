@@ -475,13 +475,16 @@ def test_calibrate_times_the_drafts_of_speculative_mode(task_model_dir, capsys, 
     devices = []
     monkeypatch.setattr(sharding, "process_device", lambda: devices.append("asked") or torch.device("cpu"))
     argv = ["calibrate", str(task_model_dir), "--tasks", "caption", "--samples", "2", "--exit-mode", "speculative"]
-    thresholds = ["--confidence-thresholds", "0.0", "--similarity-thresholds", "", "--draft-tokens", "2,3"]
+    thresholds = ["--confidence-thresholds", "", "--draft-layers", "1", "--draft-tokens", "2,3"]
     assert main([*argv, *thresholds, "--repeats", "1", "--quiet", "--json", "--draft-batch-sizes", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["exit_mode"] == "speculative" and report["batch_size"] == 1 and report["points"] == 2
+    assert report["exit_mode"] == "speculative" and report["batch_size"] == 1 and report["points"] == 4
     assert devices and report["device"] == device_name(torch.device("cpu")) and report["dtype"] == "float32"
     points = report["tasks"]["caption"]["points"]
+    drafts = {(point["settings"]["draft_exit_policy"], point["settings"]["draft_exit_threshold"]) for point in points}
+    assert drafts == {("fixed_layer", 1)}  # a layer, not a score; no similarity drafts unless asked
     assert {point["settings"]["num_assistant_tokens"] for point in points} == {2, 3}
+    assert {point["settings"]["num_assistant_tokens_schedule"] for point in points} == {"constant", "heuristic"}
     assert all(point["same_outputs_as_full"] for point in points)
     if report["chosen"] is not None:  # the clock decides; then the choice was timed at batch 2 as well
         assert report["batch_sizes"]["2"]["caption"]["same_outputs_as_full"]
@@ -508,8 +511,9 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
     saved.draft_max_batch_size = 8  # an earlier calibration's bound, for other drafts
     saved.save_pretrained(task_model_dir)
     argv = ["calibrate", str(task_model_dir), "--exit-mode", "speculative", "--tasks", "vqa, caption", "--samples", "2",
-            "--confidence-thresholds", "0.0", "--similarity-thresholds", "", "--draft-tokens", "2", "--repeats", "1",
-            "--quiet", "--json", "--write", "--draft-vocabulary-size", "5"]  # fmt: skip
+            "--confidence-thresholds", "0.0", "--draft-layers", "", "--draft-tokens", "2", "--repeats", "1",
+            "--draft-schedules", "heuristic", "--quiet", "--json", "--write",
+            "--draft-vocabulary-size", "5"]  # fmt: skip
     status, captured = main(argv), capsys.readouterr()
     report = json.loads(captured.out)
     assert list(report["tasks"]) == ["vqa", "caption"]
@@ -519,6 +523,7 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
     written = json.loads((task_model_dir / "generation_config.json").read_text())
     if drafts_speedup > 1:
         assert status == 0 and report["chosen"]["draft_max_batch_size"] == 1 == written["draft_max_batch_size"]
+        assert written["num_assistant_tokens_schedule"] == "heuristic"
         assert len(written["draft_vocabulary"]) == 5
         saved = json.loads((task_model_dir / "calibration_speculative.json").read_text())
         assert saved["draft_vocabulary"]["token_ids"] == written["draft_vocabulary"]
@@ -536,6 +541,9 @@ def test_calibrate_drafts_writes_a_choice_whole_or_reports_why_it_wrote_none(
         (["calibrate", "{m}", "--exit-mode", "speculative", "--plot", "p.png"], "no meaning with --exit-mode"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-tokens", "0"], "num_assistant_tokens"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-tokens", "a"], "comma-separated integers"),
+        (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-schedules", "often"], "_tokens_schedule"),
+        (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-layers", "1.5"], "comma-separated layers"),
+        (["calibrate", "{m}", "--draft-layers", "1"], "--draft-layers"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--repeats", "0"], "--repeats must be positive"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-batch-sizes", "1"], "above the calibration's"),
         (["calibrate", "{m}", "--exit-mode", "speculative", "--draft-batch-sizes", "8,x"], "comma-separated integers"),

@@ -110,20 +110,24 @@ def test_a_draft_vocabulary_is_the_references_most_frequent_tokens():
         frequent_tokens(processor, targets, 0)
 
 
-def test_the_grid_is_every_policy_threshold_and_draft_length():
-    grid = drafting_grid({"confidence": (0.2, 0.4), "similarity": (0.9,)}, (2, 8))
-    assert len(grid) == 6 and {"draft_exit_policy": "similarity", "draft_exit_threshold": 0.9,
-                                "num_assistant_tokens": 8} in grid  # fmt: skip
+def test_the_grid_is_every_policy_threshold_draft_length_and_schedule():
+    grid = drafting_grid({"confidence": (0.2, 0.4), "fixed_layer": (1,)}, (2, 8))
+    heuristic = {"num_assistant_tokens": 8, "num_assistant_tokens_schedule": "heuristic"}
+    assert len(grid) == 12 and {"draft_exit_policy": "fixed_layer", "draft_exit_threshold": 1, **heuristic} in grid
+    assert len(drafting_grid({"confidence": (0.2,)}, (2, 8), ("constant",))) == 2
     for bad in ((0,), (), (2.5,)):
         with pytest.raises(ValueError, match="num_assistant_tokens"):
             drafting_grid({"confidence": (0.2,)}, bad)
+    for bad in (("often",), ()):
+        with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
+            drafting_grid({"confidence": (0.2,)}, (4,), bad)
 
 
 def test_calibrate_drafts_times_every_setting_beside_the_full_model(tmp_path):
     model, processor, _ = task_setup("caption", samples=4)
     report = calibrate_drafts(
         model, processor, ["caption"], samples=4, batch_size=2, thresholds={"confidence": (0.0, 0.5)},
-        draft_tokens=(2,), repeats=1, progress=False,
+        draft_tokens=(2,), repeats=1, progress=False, schedules=("constant",),
     )  # fmt: skip
     task = report["tasks"]["caption"]
     assert report["points"] == 2 and report["batch_size"] == 2 and len(task["points"]) == 2
@@ -147,8 +151,8 @@ def test_calibrate_drafts_times_every_setting_beside_the_full_model(tmp_path):
 def test_saved_drafts_round_trip_and_leave_the_lossy_defaults(tmp_path):
     model = tiny_model(decoder_layers=4)
     write_drafting_defaults(model, {"exit_policy": "similarity", "exit_threshold": 0.9})
-    chosen = {"draft_exit_policy": "confidence", "draft_exit_threshold": 0.0, "num_assistant_tokens": 3,
-              "draft_max_batch_size": 2}  # fmt: skip
+    chosen = {"draft_exit_policy": "fixed_layer", "draft_exit_threshold": 1, "num_assistant_tokens": 3,
+              "num_assistant_tokens_schedule": "heuristic", "draft_max_batch_size": 2}  # fmt: skip
     write_drafting_defaults(model, chosen)
     model.save_pretrained(tmp_path)
     loaded = EarlyExitOFAForConditionalGeneration.from_pretrained(tmp_path)
@@ -158,10 +162,12 @@ def test_saved_drafts_round_trip_and_leave_the_lossy_defaults(tmp_path):
     with torch.no_grad():
         out = loaded.generate(**tiny_inputs(batch=1), max_new_tokens=6, exit_mode="speculative",
                               return_dict_in_generate=True)  # fmt: skip
-    assert set(out.exit_layers[out.exit_layers > 0].tolist()) <= {1, 4}  # confidence 0.0 drafts at layer 1
+    assert set(out.exit_layers[out.exit_layers > 0].tolist()) <= {1, 4}  # drafts at layer 1
     with torch.no_grad():
         above = loaded.generate(**tiny_inputs(batch=3), max_new_tokens=6, exit_mode="speculative",
                                 return_dict_in_generate=True)  # fmt: skip
     assert set(above.exit_layers.unique().tolist()) == {4} and not bool(above.drafted_tokens.any())  # in full
     with pytest.raises(ValueError, match="draft_exit_threshold"):
         write_drafting_defaults(model, {"draft_exit_policy": "confidence", "draft_exit_threshold": 2.0})
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule"):
+        write_drafting_defaults(model, {"num_assistant_tokens_schedule": "often"})
