@@ -225,8 +225,8 @@ def write_drafting_defaults(model, settings: dict[str, Any]) -> None:
     """Make `settings` speculative mode's saved drafts: the draft knobs, `num_assistant_tokens` and
     `num_assistant_tokens_schedule` go to the generation config (the lossy exit defaults and `exit_mode` stay as
     they are). ValueError on a bad value."""
+    check_draft_length(settings.get(DRAFT_LENGTH), settings.get(DRAFT_SCHEDULE))
     lengths = {name: settings[name] for name in (DRAFT_LENGTH, DRAFT_SCHEDULE) if settings.get(name) is not None}
-    check_draft_lengths([lengths.get(DRAFT_LENGTH, 1)], [lengths.get(DRAFT_SCHEDULE, "constant")])
     write_generation_defaults(model, {name: value for name, value in settings.items() if name not in lengths})
     for name, value in lengths.items():
         setattr(model.generation_config, name, value)

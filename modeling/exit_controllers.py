@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .exit_knobs import (
+    LAYER_POLICIES,
     POLICY_NAMES,
     POLICY_RANGES,
     SCHEDULE_NAMES,
@@ -415,12 +416,9 @@ def make_controller(
     """
     if policy not in POLICY_NAMES:
         raise ValueError(f"Unknown `exit_policy` {policy!r}; choose one of {list(POLICY_NAMES)}.")
-    if policy == "patience":
+    if policy in LAYER_POLICIES:
         check_layer_count("exit_threshold", threshold, schedule, policy)
-        return PatienceExit(int(threshold), **options)
-    if policy == "fixed_layer":
-        check_layer_count("exit_threshold", threshold, schedule, policy)
-        return FixedLayerExit(int(threshold), **options)
+        return (PatienceExit if policy == "patience" else FixedLayerExit)(int(threshold), **options)
     controller, defaults = POLICIES[policy]
     return controller(threshold, schedule, **{**defaults, **options})
 
